@@ -1,0 +1,3 @@
+from ifb.cli import main
+
+main()

@@ -1,0 +1,190 @@
+"""The blocking path: one request at a time through the runtime's ``handle_request``.
+
+The default mode, and the only one for deployments the gate refuses. A
+bounded queue holds waiting requests; a request that waits longer than the
+queue timeout fails with a time-out instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Iterator
+
+import attrs
+
+from ifb.capabilities import DeployConfig, RequestOption
+from ifb.counters import SchedulingCounters
+from ifb.detok import IncrementalDetokenizer
+from ifb.engine import EngineFull, check_options, new_request
+from ifb.kv import BlockManager
+from ifb.outputs import RequestHandle, RequestOutput
+from ifb.params import RequestSpec
+from ifb.request import Request
+from ifb.runtime import Runtime
+from ifb.scheduler import PrefixMatcher, Scheduler
+
+log = logging.getLogger("ifb.blocking")
+
+
+def fork(request: Request, index: int, **param_changes) -> Request:
+    """A private copy of ``request`` for sequence ``index`` of an n > 1 request."""
+    spec = attrs.evolve(request.spec, params=attrs.evolve(request.spec.params, n=1, **param_changes))
+    return Request(
+        request_id=f"{request.request_id}-{index}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
+        max_tokens=request.max_tokens, handle=RequestHandle(f"{request.request_id}-{index}"),
+        detok=IncrementalDetokenizer(request.detok._tokenizer, request.prompt_token_ids, spec.params.stop),
+        extras=dict(request.extras), eos_token_ids=request.eos_token_ids, index=index,
+    )
+
+
+def drive_alone(runtime: Runtime, request: Request, *, token_budget: int = 512,
+                blocks: BlockManager | None = None, prefix: PrefixMatcher | None = None,
+                ) -> Iterator[RequestOutput]:
+    """Serve one request through stepped execution with nobody else in the batch.
+
+    Runtimes use it to implement ``handle_request``. A request with n > 1 runs
+    its n sequences as one private batch (sequence i seeded with seed + i);
+    ``finished`` is set on the output that ends the last sequence.
+    """
+    params = request.params
+    children = [
+        fork(request, i, **({"seed": params.seed + i} if params.seed is not None else {}))
+        for i in range(params.n)
+    ]
+    blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+    scheduler = Scheduler(
+        num_seats=len(children), token_budget=max(token_budget, len(children)), blocks=blocks,
+        tokenizer=runtime.tokenizer, max_model_len=runtime.max_model_len,
+        release=lambda r: runtime.release(r.request_id, r.seat), prefix=prefix,
+    )
+    for child in children:
+        scheduler.add(child)
+    num_done = 0
+    while True:
+        if request.handle.cancelled.is_set():
+            for child in children:
+                child.handle.cancelled.set()
+        step = scheduler.schedule()
+        if step is not None:
+            try:
+                scheduler.update(step, runtime.execute(step))
+            except Exception as exc:  # noqa: BLE001 - the request fails; the server goes on
+                log.exception("blocking-path step failed")
+                scheduler.fail_step(step, exc)
+        for child in children:
+            for out in _drain(child.handle):
+                if out.finished:
+                    num_done += 1
+                yield attrs.evolve(out, request_id=request.request_id, finished=num_done == len(children))
+        if step is None or num_done == len(children):
+            return
+
+
+def _drain(handle: RequestHandle) -> list[RequestOutput]:
+    out = []
+    while True:
+        try:
+            item = handle._queue.get_nowait()
+        except queue.Empty:
+            return out
+        if isinstance(item, RequestOutput):
+            out.append(item)
+
+
+class BlockingEngine:
+    """Same surface as ``RequestEngine``, serving one request at a time."""
+
+    is_in_flight = False
+
+    def __init__(self, runtime: Runtime, config: DeployConfig, options: list[RequestOption],
+                 reason: str | None = None):
+        self.runtime = runtime
+        self.config = config
+        self.options = options
+        self.reason = reason  # why in-flight batching is not possible, if it is not
+        self.support = {o.name: runtime.caps.option(o) for o in options}
+        self.counters = SchedulingCounters()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, config.max_queued_requests))
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ifb-blocking", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: RequestSpec, *, wait: bool = False, timeout: float | None = None) -> RequestHandle:
+        check_options(self.options, self.support, spec, in_flight=False)
+        request = new_request(self.runtime, spec)
+        with self.counters.lock:
+            self.counters.submitted += 1
+            self.counters.queued += 1
+        try:
+            self._queue.put((request, time.monotonic()), block=wait, timeout=timeout)
+        except queue.Full:
+            with self.counters.lock:
+                self.counters.queued -= 1
+                self.counters.refused += 1
+            raise EngineFull(f"the queue is full ({self.config.max_queued_requests} waiting)") from None
+        return request.handle
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                request, queued_at = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._serve(request, queued_at)
+
+    def _serve(self, request: Request, queued_at: float) -> None:
+        waited = time.monotonic() - queued_at
+        with self.counters.lock:
+            self.counters.queued -= 1
+            if request.handle.cancelled.is_set():
+                self.counters.cancelled += 1
+                outcome = "cancelled"
+            elif waited > self.config.queue_timeout:
+                self.counters.failed += 1
+                outcome = "timeout"
+            else:
+                self.counters.resident += 1
+                self.counters.admitted(int(waited * 1e6), mid_flight=False)
+                outcome = None
+        if outcome is not None:
+            error = None if outcome == "cancelled" else (
+                f"timed out after {self.config.queue_timeout:g} s in the queue")
+            request.handle.push(RequestOutput(
+                request_id=request.request_id, text="", token_ids=(), finished=True,
+                finish_reason="cancelled" if outcome == "cancelled" else "error", error=error,
+                extras={"status": 429} if outcome == "timeout" else {}))
+            return
+        terminal = "failed"
+        try:
+            terminal = self._forward(request, self.runtime.handle_request(request.spec, request))
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+            log.exception("blocking request failed")
+            request.handle.push(RequestOutput(
+                request_id=request.request_id, text="", token_ids=(), finished=True,
+                finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+        finally:
+            with self.counters.lock:
+                self.counters.resident -= 1
+                setattr(self.counters, terminal, getattr(self.counters, terminal) + 1)
+
+    def _forward(self, request: Request, outputs: Iterator[RequestOutput]) -> str:
+        """Pass the runtime's outputs to the handle; return the terminal counter's name."""
+        last = None
+        for out in outputs:
+            last = out
+            request.handle.push(out)
+        if last is None or not request.handle.done.is_set():
+            request.handle.push(RequestOutput(
+                request_id=request.request_id, text="", token_ids=(), finished=True, finish_reason="stop"))
+        reason = last.finish_reason if last is not None else "stop"
+        return {"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._thread.join(timeout=30)
+
+    def health(self) -> dict:
+        return {"in_flight_batching": False, "max_num_seqs": 1}

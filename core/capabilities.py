@@ -1,0 +1,123 @@
+"""What a deployment declares, and the registry of request options.
+
+Declarations are frozen data. The gate (``ifb.gate``) and the matrix
+(``ifb.matrix``) read them once at load time; the engine reads the resolved
+per-option support at submit and admission. A declaration is a promise that
+the plugin's tests hold.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import attrs
+
+from ifb.params import RequestSpec
+
+
+class Support(enum.Enum):
+    """How a request option is treated under in-flight batching."""
+
+    SERVED = "served"
+    FOUNDER_ONLY = "founder-only"  # the head waits for the batch to drain and founds the next one
+    RUNS_ALONE = "runs-alone"  # founder-only, and nobody joins while it runs (guided decoding)
+    REJECTED = "rejected"  # submit() raises RequestRejected naming the alternative
+    NOT_APPLICABLE = "n/a"  # the deployment has no such feature on any path: refused everywhere
+
+
+class EndpointSupport(enum.Enum):
+    SERVED = "served"
+    REFUSED_UNDER_IFB = "refused under in-flight batching"  # per request, naming the flag
+    ABSENT = "absent"  # the deployment has no such endpoint
+
+
+@attrs.frozen
+class OptionSupport:
+    support: Support
+    reason: str = ""
+    alternative: str = ""
+    #: stall counter bumped at each boundary where a head using this option cannot join
+    stall_counter: str = "stalls_incompatible"
+
+
+@attrs.frozen
+class RequestOption:
+    """A request option the engine knows about; plugins may register more.
+
+    ``uses(spec)`` says whether a request uses it. ``default`` is the support a
+    deployment gets when it does not declare this option.
+    ``relative_to_batch`` marks options whose use is judged against the running
+    batch (differing sampling parameters): the engine compares batch keys.
+    """
+
+    name: str
+    title: str
+    uses: Callable[[RequestSpec], bool]
+    default: OptionSupport
+    relative_to_batch: bool = False
+    order: int = 100
+
+
+@attrs.frozen
+class DeploymentCaps:
+    """A deployment's declaration, resolved for one deploy configuration."""
+
+    stepped_execution: bool
+    seated_admission: bool
+    max_batch_size: int  # the batch dimension the runtime was built for
+    num_ranks: int = 1
+    batch_invariant_verified: bool = False
+    options: dict[str, OptionSupport] = attrs.field(factory=dict)
+    endpoints: dict[str, EndpointSupport] = attrs.field(factory=dict)
+    #: why the deployment is not stepped / not seated, shown by the gate
+    notes: str = ""
+    #: whether KV blocks can be reused across requests (prefix caching)
+    supports_prefix_reuse: bool = True
+    prefix_reuse_note: str = ""
+
+    def option(self, opt: RequestOption) -> OptionSupport:
+        return self.options.get(opt.name, opt.default)
+
+
+@attrs.frozen
+class DeployConfig:
+    """How the user asked a model to be served (CLI flags / LLM arguments)."""
+
+    model: str | None = None
+    plugin: str = "text"
+    max_batch_size: int = 4
+    enable_in_flight_batching: bool = False
+    max_queued_requests: int = 64
+    queue_timeout: float = 60.0
+    enable_context_reuse: bool = False
+    max_kv_cache_capacity: int | None = None  # tokens
+    max_num_batched_tokens: int = 256  # per-step token budget (chunked prefill)
+    num_ranks: int = 1
+    options: dict[str, Any] = attrs.field(factory=dict)  # plugin-specific settings
+
+
+@attrs.frozen
+class MatrixVariant:
+    """A deployment-level row of the support matrix: a title and a configuration to declare."""
+
+    title: str
+    config: DeployConfig
+    note: str = ""
+
+
+@attrs.frozen
+class DeploymentKind:
+    """A kind of deployment a plugin can build.
+
+    ``declare(config)`` returns the capabilities for that configuration without
+    loading weights; ``load(config)`` builds the runtime.
+    """
+
+    name: str
+    plugin: str
+    title: str
+    declare: Callable[[DeployConfig], DeploymentCaps]
+    load: Callable[[DeployConfig], Any]
+    variants: tuple[MatrixVariant, ...] = ()
+    description: str = ""

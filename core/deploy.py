@@ -1,0 +1,71 @@
+"""Load a deployment: resolve the model, apply the gate once, build the engine."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from ifb.blocking import BlockingEngine
+from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
+from ifb.engine import RequestEngine
+from ifb.gate import UnsupportedDeployment, check_deployment
+from ifb.plugins import PluginHost, default_host
+
+log = logging.getLogger("ifb.deploy")
+
+
+@attrs.define
+class Deployment:
+    kind: DeploymentKind
+    config: DeployConfig
+    caps: DeploymentCaps
+    runtime: object
+    engine: RequestEngine | BlockingEngine
+    #: why the deployment is on the blocking path (None when served in flight or not asked)
+    blocking_reason: str | None
+
+    @property
+    def mode(self) -> str:
+        return "in-flight batching" if self.engine.is_in_flight else "blocking path (one request at a time)"
+
+    def describe(self) -> str:
+        why = ""
+        if not self.engine.is_in_flight:
+            why = f" ({self.blocking_reason})" if self.blocking_reason else " (the default; pass --enable-in-flight-batching to batch)"
+        return (f"loaded {self.runtime.model_name} with plugin {self.kind.plugin} ({self.kind.title}); "
+                f"served by {self.mode}{why}")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
+                    static_batching: bool = False) -> Deployment:
+    """Build the deployment ``config`` asks for; raises UnsupportedDeployment at once
+    (before loading weights) when the flag is set and the gate refuses."""
+    host = host or default_host()
+    kind = host.kind(config.plugin)
+    reason = check_deployment(kind.declare(config), config)
+    resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
+    if resolved is not None:
+        config = attrs.evolve(config, model=str(resolved))
+    runtime = kind.load(config)
+    caps = runtime.caps
+    reason = check_deployment(caps, config)  # the loaded runtime's own declaration is the final word
+    options = host.request_options()
+    if config.enable_in_flight_batching:
+        prefix, blocks = None, None
+        if config.enable_context_reuse:
+            from ifb.kv import BlockManager
+            blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+            prefix = host.hook.ifb_prefix_cache(config=config, blocks=blocks, runtime=runtime)
+            if prefix is None:
+                raise UnsupportedDeployment("--enable-context-reuse needs the context_cache plugin, which is not installed")
+        engine = RequestEngine(runtime, config, options, prefix=prefix, blocks=blocks,
+                               static_batching=static_batching)
+    else:
+        engine = BlockingEngine(runtime, config, options, reason=reason)
+    deployment = Deployment(kind, config, caps, runtime, engine, reason)
+    log.info(deployment.describe())
+    return deployment

@@ -1,0 +1,235 @@
+"""The in-flight request engine: one actor thread owns the step loop.
+
+``submit()`` is thread-safe: it validates at once, checks the request options
+against the deployment's declaration (rejected options raise naming the
+alternative), bounds admission to batch + queue, and returns a handle. The
+actor runs boundaries and steps; nothing else touches the runtime.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+
+from ifb.capabilities import DeployConfig, OptionSupport, RequestOption, Support
+from ifb.counters import SchedulingCounters
+from ifb.detok import IncrementalDetokenizer
+from ifb.gate import UnsupportedDeployment, ifb_unsupported_reason
+from ifb.kv import BlockManager
+from ifb.outputs import RequestHandle
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.request import Request
+from ifb.runtime import Runtime
+from ifb.scheduler import PrefixMatcher, Scheduler
+
+log = logging.getLogger("ifb.engine")
+
+
+class RequestRejected(ValueError):
+    """submit() refuses a request option this deployment cannot serve (HTTP 400)."""
+
+
+class EngineFull(RuntimeError):
+    """Back-pressure: batch + queue are full (HTTP 429)."""
+
+
+_ids = itertools.count()
+
+
+def check_options(options: list[RequestOption], support: dict[str, OptionSupport], spec: RequestSpec,
+                  *, in_flight: bool) -> tuple[OptionSupport | None, bool]:
+    """Raise RequestRejected for an option the deployment refuses on this path.
+
+    Returns (the founder-only support the request uses, whether it runs alone).
+    """
+    founder, alone = None, False
+    for opt in options:
+        if opt.relative_to_batch or not opt.uses(spec):
+            continue
+        declared = support[opt.name]
+        if declared.support is Support.NOT_APPLICABLE:
+            raise RequestRejected(f"{opt.title} is not supported by this deployment: {declared.reason}")
+        if not in_flight:
+            continue
+        if declared.support is Support.REJECTED:
+            alt = f" {declared.alternative}" if declared.alternative else ""
+            raise RequestRejected(f"{opt.title} is not supported under in-flight batching: "
+                                  f"{declared.reason}{alt}")
+        if declared.support is Support.RUNS_ALONE:
+            founder, alone = declared, True
+        elif declared.support is Support.FOUNDER_ONLY and founder is None:
+            founder = declared
+    return founder, alone
+
+
+def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int = 0) -> Request:
+    """Validate and tokenize ``spec`` into a waiting Request (raises InvalidRequest)."""
+    spec.validate()
+    prepared = runtime.prepare(spec)
+    num_prompt = len(prepared.prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequest("the prompt is empty after tokenization")
+    room = runtime.max_model_len - num_prompt
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {num_prompt} tokens; this model's context is {runtime.max_model_len} tokens")
+    capacity = runtime.num_kv_blocks * runtime.kv_block_size
+    if num_prompt + 1 > capacity:
+        raise InvalidRequest(f"the prompt has {num_prompt} tokens; the KV cache holds {capacity}")
+    max_tokens = spec.params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise InvalidRequest(
+            f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {runtime.max_model_len} tokens")
+    request_id = spec.request_id or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+    prompt_ids = list(prepared.prompt_token_ids)
+    return Request(
+        request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+        handle=RequestHandle(request_id, on_cancel), extras=dict(prepared.extras),
+        detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
+        eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
+    )
+
+
+class RequestEngine:
+    """Serves a stepped runtime under in-flight batching."""
+
+    is_in_flight = True
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: DeployConfig,
+        options: list[RequestOption],
+        *,
+        prefix: PrefixMatcher | None = None,
+        blocks: BlockManager | None = None,
+        static_batching: bool = False,
+    ):
+        reason = ifb_unsupported_reason(runtime.caps, config)
+        if reason is not None:
+            raise UnsupportedDeployment(f"cannot enable in-flight batching: {reason}")
+        self.runtime = runtime
+        self.config = config
+        self.options = options
+        self.support: dict[str, OptionSupport] = {o.name: runtime.caps.option(o) for o in options}
+        self.max_in_system = config.max_batch_size + config.max_queued_requests
+        self.counters = SchedulingCounters()
+        self.blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+        sampling = self.support.get("differing_sampling")
+        self.scheduler = Scheduler(
+            num_seats=config.max_batch_size,
+            token_budget=max(config.max_num_batched_tokens, config.max_batch_size),
+            blocks=self.blocks, tokenizer=runtime.tokenizer, max_model_len=runtime.max_model_len,
+            counters=self.counters, static_batching=static_batching, prefix=prefix,
+            batch_wide_sampling=sampling is not None and sampling.support is not Support.SERVED,
+            release=lambda r: runtime.release(r.request_id, r.seat),
+        )
+        self.scheduler.listeners.append(self)
+        self._cv = threading.Condition()
+        self._inbox: list[Request] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ifb-engine", daemon=True)
+        self._thread.start()
+
+    # ---- submission (any thread) ----
+    def check_options(self, spec: RequestSpec) -> tuple[OptionSupport | None, bool]:
+        return check_options(self.options, self.support, spec, in_flight=True)
+
+    def submit(self, spec: RequestSpec, *, wait: bool = False, timeout: float | None = None) -> RequestHandle:
+        """Queue a request; returns its handle. Raises InvalidRequest, RequestRejected or EngineFull.
+
+        With ``wait`` the caller blocks until there is room instead of being refused.
+        """
+        founder, alone = self.check_options(spec)
+        request = new_request(self.runtime, spec, on_cancel=self._wake)
+        request.founder_only, request.runs_alone = founder, alone
+        with self._cv:
+            if self._stopping:
+                raise EngineFull("the engine is shutting down")
+            if wait:
+                if not self._cv.wait_for(lambda: self._in_system() < self.max_in_system, timeout):
+                    raise EngineFull("timed out waiting for room in the batch and queue")
+            with self.counters.lock:
+                self.counters.submitted += 1
+                if self._in_system_locked() >= self.max_in_system:
+                    self.counters.refused += 1
+                    raise EngineFull(
+                        f"the engine is full: {self.config.max_batch_size} running + "
+                        f"{self.config.max_queued_requests} queued")
+            self._inbox.append(request)
+            with self.counters.lock:
+                self.counters.queued += 1  # counted as queued from submit; the scheduler takes it over
+            self._cv.notify_all()
+        return request.handle
+
+    def _in_system(self) -> int:
+        with self.counters.lock:
+            return self._in_system_locked()
+
+    def _in_system_locked(self) -> int:
+        return self.counters.queued + self.counters.resident
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ---- scheduler listener (actor thread) ----
+    def on_token(self, request: Request, now: float) -> None:
+        pass
+
+    def on_finish(self, request: Request, now: float) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ---- the actor ----
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self._inbox or scheduler.has_work)
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for request in inbox:
+                with self.counters.lock:
+                    self.counters.queued -= 1  # Scheduler.add counts it again
+                scheduler.add(request)
+            step = scheduler.schedule()
+            if step is None:
+                continue
+            try:
+                output = self.runtime.execute(step)
+                scheduler.update(step, output)
+            except Exception as exc:  # noqa: BLE001 - one step's fault fails that step only
+                log.exception("step %d failed", step.step_id)
+                scheduler.fail_step(step, exc)
+        self._drain_on_shutdown()
+
+    def _drain_on_shutdown(self) -> None:
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for request in inbox:
+            with self.counters.lock:
+                self.counters.queued -= 1
+            self.scheduler.add(request)
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(request, "cancelled")
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # ---- reporting ----
+    def health(self) -> dict:
+        return {
+            "in_flight_batching": True,
+            "max_num_seqs": self.config.max_batch_size,
+            "scheduling": self.counters.snapshot(),
+        }

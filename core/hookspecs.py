@@ -1,0 +1,44 @@
+"""The hooks a plugin implements. Built-in plugins register exactly like third-party ones.
+
+A plugin is a module (or object) exposed through the ``ifb.plugins``
+entry-point group that implements some of these hooks with ``@ifb.hookimpl``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("ifb")
+hookimpl = pluggy.HookimplMarker("ifb")
+
+
+@hookspec
+def ifb_deployment_kinds() -> list:
+    """Return the ``DeploymentKind`` objects this plugin can build.
+
+    Each kind declares its capabilities for a ``DeployConfig`` without loading
+    weights, so ``ifb matrix`` can show it and the gate can judge it.
+    """
+
+
+@hookspec
+def ifb_request_options() -> list:
+    """Return extra ``RequestOption`` rows this plugin adds to the registry."""
+
+
+@hookspec(firstresult=True)
+def ifb_resolve_model(name: str | None, plugin: str) -> str | None:
+    """Turn a model name (or None for the default) into a local path, or None if unknown."""
+
+
+@hookspec(firstresult=True)
+def ifb_prefix_cache(config: Any, blocks: Any, runtime: Any) -> Any:
+    """Return a ``PrefixMatcher`` (and attach a ``BlockCache`` to ``blocks``) when
+    ``config.enable_context_reuse`` is set; None when this plugin does not provide one."""
+
+
+@hookspec
+def ifb_http_routes(app_state: Any) -> list:
+    """Return extra Starlette routes for the server (e.g. ``/v1/audio/speech``)."""

@@ -1,0 +1,85 @@
+"""The Python API: ``from ifb import LLM``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from ifb.capabilities import DeployConfig
+from ifb.deploy import Deployment, load_deployment
+from ifb.outputs import FinalOutput, RequestOutput, collect
+from ifb.params import RequestSpec, SamplingParams
+
+
+class LLM:
+    """A loaded model you can call from any number of threads.
+
+    With ``enable_in_flight_batching`` calls from several threads overlap up to
+    ``max_batch_size`` + ``max_queued_requests``; further callers block until
+    there is room. Without it (the default) requests run one at a time.
+    """
+
+    def __init__(self, model: str | None = None, *, plugin: str = "text", max_batch_size: int = 4,
+                 enable_in_flight_batching: bool = False, max_queued_requests: int = 64,
+                 queue_timeout: float = 600.0, enable_context_reuse: bool = False,
+                 max_kv_cache_capacity: int | None = None, max_num_batched_tokens: int = 256,
+                 **plugin_options: Any):
+        self.config = DeployConfig(
+            model=model, plugin=plugin, max_batch_size=max_batch_size,
+            enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
+            queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
+            max_kv_cache_capacity=max_kv_cache_capacity, max_num_batched_tokens=max_num_batched_tokens,
+            options=plugin_options,
+        )
+        self.deployment: Deployment = load_deployment(self.config)
+
+    @property
+    def engine(self):
+        return self.deployment.engine
+
+    @property
+    def tokenizer(self):
+        return self.deployment.runtime.tokenizer
+
+    def _submit(self, spec: RequestSpec):
+        return self.engine.submit(spec, wait=True)
+
+    def generate(self, prompts: str | Sequence[str], params: SamplingParams | None = None,
+                 **extras: Any) -> list[FinalOutput]:
+        """Complete each prompt; returns one result per prompt (all submitted at once)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        handles = [self._submit(RequestSpec(prompt=p, params=params, extras=extras)) for p in prompts]
+        return [h.result() for h in handles]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, **extras: Any) -> FinalOutput:
+        """Answer one conversation (OpenAI-style messages)."""
+        spec = RequestSpec(messages=tuple(messages), params=params or SamplingParams(), extras=extras)
+        return self._submit(spec).result()
+
+    def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict] | None = None, **extras: Any) -> Iterator[RequestOutput]:
+        """Yield outputs as they are generated; closing the iterator cancels the request."""
+        spec = RequestSpec(prompt=prompt, messages=tuple(messages) if messages else None,
+                           params=params or SamplingParams(), stream=True, extras=extras)
+        handle = self._submit(spec)
+        try:
+            yield from handle
+        finally:
+            if not handle.done.is_set():
+                handle.cancel()
+
+    def health(self) -> dict:
+        return self.engine.health()
+
+    def close(self) -> None:
+        self.deployment.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["LLM", "SamplingParams", "collect"]

@@ -1,0 +1,66 @@
+"""The registry of request options: the rows of the request-level matrix.
+
+Plugins add options through the ``ifb_request_options`` hook. A deployment
+declares its support per option name; undeclared options get the default.
+"""
+
+from __future__ import annotations
+
+from ifb.capabilities import OptionSupport, RequestOption, Support
+from ifb.params import RequestSpec
+
+BLOCKING = "Use the blocking path (serve without --enable-in-flight-batching)."
+
+
+def _extra(name: str):
+    return lambda spec: bool(spec.extras.get(name))
+
+
+BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
+    RequestOption(
+        name="plain_text", title="Plain text generation, streaming, logprobs, stop strings",
+        uses=lambda spec: True, default=OptionSupport(Support.SERVED), order=0),
+    RequestOption(
+        name="differing_sampling", title="Sampling parameters that differ from the resident batch",
+        uses=lambda spec: True, relative_to_batch=True, order=10,
+        default=OptionSupport(
+            Support.FOUNDER_ONLY, reason="Sampling is batch-wide; an incompatible head waits for its own batch.",
+            stall_counter="stalls_incompatible")),
+    RequestOption(
+        name="guided_decoding", title="Guided decoding (grammar / JSON)",
+        uses=lambda spec: spec.extras.get("response_format") is not None, order=20,
+        default=OptionSupport(
+            Support.REJECTED, reason="This deployment has no guided decoder.",
+            alternative="Use a deployment whose plugin declares guided decoding.")),
+    RequestOption(
+        name="media_under_pruner", title="Media under an active visual-token pruner",
+        uses=lambda spec: bool(spec.extras.get("media")) and bool(spec.extras.get("pruner_active")), order=30,
+        default=OptionSupport(
+            Support.FOUNDER_ONLY, reason="Pruning runs only in the founding prefill; a seated prefill would skip it.")),
+    RequestOption(
+        name="generate_audio", title="generateAudio (speech output)", uses=_extra("generate_audio"), order=40,
+        default=OptionSupport(
+            Support.REJECTED, reason="Speech output is assembled only on the blocking path.", alternative=BLOCKING)),
+    RequestOption(
+        name="save_system_prompt_kv_cache", title="saveSystemPromptKVCache (legacy capture)",
+        uses=_extra("save_system_prompt_kv_cache"), order=50,
+        default=OptionSupport(
+            Support.REJECTED, reason="The capture runs only in the founding prefill path.",
+            alternative="Warm the prompt up before serving (--warmup-prompt) or use the context cache "
+                        "(--enable-context-reuse); or use the blocking path.")),
+    RequestOption(
+        name="past_trajectory", title="pastTrajectory (trajectory execution)", uses=_extra("past_trajectory"),
+        order=60, default=OptionSupport(
+            Support.REJECTED, reason="Trajectory execution founds its own batch and carries drain-time state.",
+            alternative=BLOCKING)),
+    RequestOption(
+        name="lora", title="Per-request LoRA", uses=_extra("lora"), order=70,
+        default=OptionSupport(
+            Support.REJECTED, reason="Adapter weights are engine-wide under in-flight batching.",
+            alternative=BLOCKING)),
+    RequestOption(
+        name="n_sequences", title="More than one sequence per request", uses=lambda spec: spec.params.n > 1,
+        order=80, default=OptionSupport(
+            Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING)),
+)
+

@@ -1,0 +1,152 @@
+"""What a caller receives: streamed request outputs and the handle that carries them."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator, Callable, Iterator
+
+import attrs
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: tuple[tuple[int, str, float], ...] = ()
+
+
+@attrs.frozen
+class RequestOutput:
+    """One streamed delta of a request; the last one has ``finished`` set.
+
+    ``finish_reason`` is ``stop``, ``length``, ``cancelled`` or ``error``.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
+    index: int = 0  # which sequence of the request (n > 1 on the blocking path)
+    extras: dict = attrs.field(factory=dict, hash=False)  # e.g. generated audio
+
+
+@attrs.frozen
+class FinalOutput:
+    """A whole request's result, assembled from its deltas."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: tuple[TokenLogprob, ...]
+    index: int = 0
+    extras: dict = attrs.field(factory=dict, hash=False)
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (a fault in its step); the engine goes on serving."""
+
+
+_END = object()
+
+
+class RequestHandle:
+    """A submitted request: iterate it (sync or async) for outputs, or cancel it.
+
+    Outputs are pushed by the engine thread; consumers may live in any thread
+    or event loop.
+    """
+
+    def __init__(self, request_id: str, on_cancel: Callable[[], None] | None = None):
+        self.request_id = request_id
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._on_cancel = on_cancel
+        self.cancelled = threading.Event()
+        self.done = threading.Event()
+
+    # -- producer side (engine thread) --
+    def push(self, output: RequestOutput) -> None:
+        with self._lock:
+            if self.done.is_set():
+                return
+            if output.finished:
+                self.done.set()
+            target = self._async
+            if target is None:
+                self._queue.put(output)
+                if output.finished:
+                    self._queue.put(_END)
+                return
+        loop, aq = target
+        try:
+            loop.call_soon_threadsafe(aq.put_nowait, output)
+            if output.finished:
+                loop.call_soon_threadsafe(aq.put_nowait, _END)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    # -- consumer side --
+    def cancel(self) -> None:
+        """Ask the engine to drop this request; its seat is freed at the next boundary."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self._on_cancel is not None:
+                self._on_cancel()
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            while True:  # move what arrived before the consumer attached
+                try:
+                    aq.put_nowait(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (loop, aq)
+        while True:
+            item = await aq.get()
+            if item is _END:
+                return
+            yield item
+
+    def result(self) -> FinalOutput:
+        """Block until the request finishes and return the assembled result."""
+        return collect(self)
+
+
+def collect(outputs) -> FinalOutput:
+    text, ids, logprobs, last = [], [], [], None
+    for out in outputs:
+        text.append(out.text)
+        ids.extend(out.token_ids)
+        logprobs.extend(out.logprobs)
+        last = out
+    if last is None:
+        raise RequestFailed("the request produced no output")
+    if last.finish_reason == "error":
+        raise RequestFailed(last.error or "the request failed")
+    return FinalOutput(
+        request_id=last.request_id, text="".join(text), token_ids=tuple(ids),
+        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens, logprobs=tuple(logprobs), index=last.index,
+        extras=last.extras,
+    )

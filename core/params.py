@@ -1,0 +1,89 @@
+"""Request parameters that cross every boundary: sampling settings and the request spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+class InvalidRequest(ValueError):
+    """A request whose parameters are malformed or out of range (HTTP 400)."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidRequest(message)
+
+
+@attrs.frozen
+class SamplingParams:
+    """Per-sequence sampling settings. Defaults follow the OpenAI API (temperature 1)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token plus N alternatives
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first out-of-range field."""
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1")
+        _check(0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k must be -1, 0 (disabled) or a positive number")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20")
+        _check(len(self.stop) <= 8, "at most 8 stop strings are allowed")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(1 <= self.n <= 16, "n must be between 1 and 16")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def batch_key(self) -> tuple:
+        """What must match for two requests to share a batch when sampling is batch-wide."""
+        return (
+            self.temperature, self.top_p, self.top_k, self.min_p, self.max_tokens,
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+        )
+
+
+@attrs.frozen
+class RequestSpec:
+    """One request as a caller submits it, before tokenization.
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat) is set.
+    ``extras`` carries options that plugins and request-option predicates read
+    (``lora``, ``response_format``, ``media``, ``generate_audio``, ...).
+    """
+
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    params: SamplingParams = SamplingParams()
+    stream: bool = False
+    extras: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    request_id: str | None = None
+
+    def validate(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        _check(sum(given) == 1, "give exactly one of prompt, prompt_token_ids or messages")
+        if self.prompt_token_ids is not None:
+            _check(len(self.prompt_token_ids) > 0, "prompt_token_ids must not be empty")
+        if self.messages is not None:
+            _check(len(self.messages) > 0, "messages must not be empty")
+        self.params.validate()

@@ -1,0 +1,144 @@
+"""The architecture description of a Llama-family decoder, independent of the file format.
+
+Both loaders (GGUF and Hugging Face directories) reduce what they read to one
+``TextModelConfig``; the model is built only from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+#: ``model_type`` values of config.json that this model implements.
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+#: RoPE scaling kinds the model implements (``None`` means plain RoPE).
+SUPPORTED_ROPE_TYPES = ("linear", "llama3", "freq_factors")
+
+
+def _freeze(value: Any) -> Any:
+    """Turn lists into tuples so the frozen config stays comparable and hashable."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def normalize_rope_scaling(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Reduce the HF ``rope_scaling`` / ``rope_parameters`` dict to ``{"rope_type": ..., ...}``.
+
+    Returns None for plain RoPE. Raises ``NotImplementedError`` for a kind the
+    model does not implement, because silently ignoring it would give wrong
+    logits on long contexts.
+    """
+    if not raw:
+        return None
+    scaling = {k: _freeze(v) for k, v in raw.items() if k != "rope_theta"}
+    # Old configs say "type", newer ones "rope_type"; v5 nests the theta in here too.
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"RoPE scaling {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "linear" and float(scaling.get("factor", 1.0)) == 1.0:
+        return None
+    return {"rope_type": rope_type, **scaling}
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+@attrs.frozen
+class TextModelConfig:
+    """Shapes and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    #: None, or a normalized dict (see ``normalize_rope_scaling``); excluded from hashing.
+    rope_scaling: dict[str, Any] | None = attrs.field(default=None, hash=False)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    #: bias on the q/k/v projections (Qwen2 always, Llama when ``attention_bias``)
+    attention_bias: bool = False
+    #: bias on the output projection (Llama's ``attention_bias`` covers it, Qwen2's does not)
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    #: per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    #: recorded for Mistral/Qwen2; the reference attention does not apply a window
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> TextModelConfig:
+        """Build from a parsed Hugging Face ``config.json`` (llama, mistral, qwen2, qwen3).
+
+        Understands both the transformers 4.x keys (``rope_theta`` +
+        ``rope_scaling``) and the 5.x ``rope_parameters`` dict.
+        """
+        arch = cfg.get("model_type", "llama")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        hidden = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = normalize_rope_scaling(rope_params or cfg.get("rope_scaling"))
+
+        if arch == "qwen2":
+            # Qwen2 hard-codes bias on q/k/v and none on o_proj.
+            qkv_bias, out_bias = True, False
+        else:
+            qkv_bias = out_bias = bool(cfg.get("attention_bias", False))
+        sliding = cfg.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            attention_out_bias=out_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+            sliding_window=int(sliding) if sliding else None,
+        )

@@ -1,0 +1,174 @@
+"""Load a llama.cpp GGUF file into a ``TextModelConfig`` and an HF-named float32 state dict.
+
+llama.cpp's converter reorders the rows of the Q and K projections of Llama
+models so that its interleaved RoPE (pairs ``2i, 2i+1``) matches HF's
+rotate-half RoPE (pairs ``i, i + D/2``). Our model uses rotate-half, so those
+rows are put back. Qwen2/Qwen3 GGUFs are written unpermuted (llama.cpp runs
+them with NeoX-style RoPE) and are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+import torch
+
+from ifb_plugins.text.config import TextModelConfig
+
+#: ``general.architecture`` values this loader understands.
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+# GGUF tensor name -> HF name; ``{}`` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@attrs.frozen
+class GGUFTensor:
+    """One tensor as stored: its ggml type, logical shape (torch order) and raw rows.
+
+    ``data`` is the file's array (memory-mapped, one row per output feature for
+    matrices, so quantized blocks stay intact); Q/K rows are already un-permuted.
+    """
+
+    gguf_name: str
+    ggml_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray = attrs.field(eq=False)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF state-dict name of a GGUF tensor, or None for tensors we do not load."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All key/value fields of the file as plain Python values (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: within each head, rows ``(pair, half)`` -> ``(half, pair)``."""
+    head_rows = rows.shape[0] // n_head
+    rest = rows.shape[1:]
+    return rows.reshape(n_head, head_rows // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> TextModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    vocab = key("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    rope_scaling: dict[str, Any] | None = None
+    if key("rope.scaling.type") == "linear" and float(key("rope.scaling.factor", 1.0)) != 1.0:
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif key("rope.scaling.type") not in (None, "none", "linear"):
+        raise NotImplementedError(f"GGUF RoPE scaling {key('rope.scaling.type')!r} is not supported")
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return TextModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        max_position_embeddings=int(key("context_length", 4096)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        sliding_window=key("attention.sliding_window"),
+    )
+
+
+def _tensors_and_config(
+    reader: gguf.GGUFReader, meta: dict[str, Any]
+) -> tuple[TextModelConfig, dict[str, GGUFTensor], np.ndarray | None]:
+    names = {t.name for t in reader.tensors}
+    config = _config_from_metadata(meta, names)
+    out: dict[str, GGUFTensor] = {}
+    rope_freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            rope_freqs = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            continue
+        name = hf_name(t.name)
+        if name is None:
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        data = t.data
+        if config.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            data = _unpermute_rows(data, heads)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
+        out[name] = GGUFTensor(gguf_name=t.name, ggml_type=t.tensor_type, shape=shape, data=data)
+    if rope_freqs is not None:
+        # llama3-style scaling is baked by the converter into per-frequency divisors.
+        config = attrs.evolve(config, rope_scaling={"rope_type": "freq_factors", "factors": tuple(rope_freqs.tolist())})
+    return config, out, rope_freqs
+
+
+def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
+    """The file's tensors, still quantized, keyed by HF name (Q/K rows un-permuted)."""
+    reader = gguf.GGUFReader(str(path))
+    return _tensors_and_config(reader, read_metadata(reader))[1]
+
+
+def dequantize(tensor: GGUFTensor) -> torch.Tensor:
+    """A GGUF tensor as a float32 torch tensor of its logical shape."""
+    values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.ggml_type), dtype=np.float32)
+    if not values.flags.writeable:  # float32 tensors come back as views of the read-only mmap
+        values = values.copy()
+    return torch.from_numpy(values.reshape(tensor.shape))
+
+
+def load_gguf(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a GGUF file: ``(config, float32 HF-named state dict, metadata)``.
+
+    The metadata dict holds every GGUF key (``tokenizer.ggml.*``,
+    ``tokenizer.chat_template``, ...) for ``TextTokenizer.from_gguf_metadata``.
+    """
+    reader = gguf.GGUFReader(str(path))
+    meta = read_metadata(reader)
+    config, tensors, _ = _tensors_and_config(reader, meta)
+    state_dict = {name: dequantize(t) for name, t in tensors.items()}
+    return config, state_dict, meta

@@ -1,0 +1,138 @@
+"""The text runtime: the model driven one scheduled step at a time.
+
+``execute`` packs a step's ragged prefill chunks and decode tokens into one
+forward over the paged KV cache, then samples per sequence. The blocking path
+(``handle_request``) adds what in-flight batching rejects: n > 1, per-request
+LoRA adapters and the legacy system-prompt KV capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from ifb.blocking import drive_alone
+from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.kv import BlockManager
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.request import Request
+from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput
+from ifb_plugins.text.attention import build_attn_metadata
+from ifb_plugins.text.lora import LoraSet
+from ifb_plugins.text.model import TextModel, allocate_kv_cache
+from ifb_plugins.text.sampling import sample
+from ifb_plugins.text.syscache import SystemPromptCache
+from ifb_plugins.text.tokenizer import TextTokenizer
+
+log = logging.getLogger("ifb.text")
+
+KV_BLOCK_SIZE = 16
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def kv_capacity_tokens(config: DeployConfig, max_model_len: int) -> int:
+    """Tokens of KV to allocate: --max-kv-cache-capacity, or room for every seat at 2k tokens."""
+    if config.max_kv_cache_capacity:
+        return config.max_kv_cache_capacity
+    return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+
+
+class TextRuntime:
+    def __init__(self, *, model: TextModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
+                 config: DeployConfig, model_name: str, lora: LoraSet | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caps = caps
+        self.model_name = model_name
+        self.lora = lora or LoraSet(model, {})
+        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = min(model.config.max_position_embeddings, limit)
+        self.kv_block_size = KV_BLOCK_SIZE
+        capacity = kv_capacity_tokens(config, self.max_model_len)
+        self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
+        self.device = next(model.parameters()).device
+        self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
+                                           dtype=torch.float32, device=self.device)
+        self.vocab_size = model.config.vocab_size
+        # The blocking path's own block bookkeeping persists so captured prefixes survive requests.
+        self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
+        self.system_prompts = SystemPromptCache(self._blocking_blocks, self)
+
+    # ---- admission ----
+    def prepare(self, spec: RequestSpec) -> Prepared:
+        if spec.prompt_token_ids is not None:
+            ids = list(spec.prompt_token_ids)
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        elif spec.messages is not None:
+            text = self.render_chat(list(spec.messages))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(spec.prompt or "", add_special_tokens=True)
+        lora = spec.extras.get("lora")
+        if lora and lora not in self.lora.adapters:
+            known = ", ".join(sorted(self.lora.adapters)) or "none registered"
+            raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
+        return Prepared(tuple(ids))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequest("each message needs a role and content")
+            if not isinstance(m.get("content"), (str, type(None))):
+                raise InvalidRequest("this deployment accepts text content only")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own error is the message
+            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+
+    # ---- stepped execution ----
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        seqs = step.seqs
+        input_ids, positions = [], []
+        for s in seqs:
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        attn = build_attn_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+                                   self.kv_block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, attn, self.kv_caches)  # [T, H]
+        rows, last = [], -1
+        for i, s in enumerate(seqs):
+            last += len(s.token_ids)
+            if s.is_sampling:
+                rows.append((i, last))
+        results: dict[int, SeqOutput] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden[[t for _, t in rows]])  # [N, V]
+            picked = [seqs[i] for i, _ in rows]
+            samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
+                             [s.num_prompt_tokens for s in picked])
+            for (i, _), s, r in zip(rows, picked, samples):
+                results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
+        return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
+
+    def release(self, request_id: str, seat: int) -> None:
+        pass  # attention state lives in KV blocks, which the engine frees
+
+    # ---- blocking path ----
+    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
+        if spec.extras.get("save_system_prompt_kv_cache"):
+            self.system_prompts.capture(spec, request.prompt_token_ids)
+        with self.lora.active(spec.extras.get("lora")):
+            yield from drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts)
+
+    def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
+        """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture)."""
+        budget = 512
+        for start in range(0, len(token_ids), budget):
+            chunk = tuple(token_ids[start:start + budget])
+            self.execute(ScheduledStep(step_id=0, seqs=(ScheduledSeq(
+                request_id="prefix-capture", seat=0, token_ids=chunk, start_pos=start,
+                block_ids=tuple(block_ids), is_sampling=False, params=None, num_prompt_tokens=len(token_ids),
+                all_token_ids=tuple(token_ids)),)))

@@ -1,0 +1,188 @@
+"""Test helpers: tiny random-weight checkpoints in the HF layout, and a greedy loop.
+
+Plugin tests write a checkpoint with ``save_tiny_checkpoint`` into a temp dir
+and load it through the real loader (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ifb_plugins.text.attention import build_attn_metadata
+from ifb_plugins.text.model import TextModel, allocate_kv_cache
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Enough variety for a few hundred merges, with multi-byte UTF-8 so decode is exercised.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In-flight batching lets a request join a running batch at the next step boundary.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123 2024 3.14159",
+    "Unicode: héllo wörld, naïve café, 日本語のテキスト, Ελληνικά, emoji 🙂🚀",
+    "def forward(self, x):\n    return self.linear(x)\n",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+]
+
+
+def train_tiny_tokenizer(vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE trained in-process; the special tokens get ids 0, 1, 2."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte in the base vocabulary, so any text (any UTF-8) is encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+               num_heads: int, num_kv_heads: int, head_dim: int, tie: bool,
+               rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if arch == "qwen3":
+        cfg.update(head_dim=head_dim, attention_bias=False, use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def _random_weights(cfg: dict[str, Any], head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    arch = cfg["model_type"]
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+
+    def rand(*shape: int, scale: float | None = None) -> torch.Tensor:
+        # Fan-in scaling keeps activations O(1) through the layers, so logits are meaningful.
+        std = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1.0 + rand(dim, scale=0.1)  # not all ones, so a dropped norm weight shows
+
+    sd = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, scale=1.0), "model.norm.weight": norm(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(h)
+        sd[p + "post_attention_layernorm.weight"] = norm(h)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            sd[p + f"self_attn.{name}.weight"] = rand(rows, h)
+            if arch == "qwen2":
+                sd[p + f"self_attn.{name}.bias"] = rand(rows, scale=0.1)
+        sd[p + "self_attn.o_proj.weight"] = rand(h, q)
+        if arch == "qwen3":
+            sd[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            sd[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        sd[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        sd[p + "mlp.up_proj.weight"] = rand(inter, h)
+        sd[p + "mlp.down_proj.weight"] = rand(h, inter)
+    if not cfg["tie_word_embeddings"]:
+        sd["lm_head.weight"] = rand(cfg["vocab_size"], h)
+    return sd
+
+
+def save_tiny_checkpoint(
+    directory: str | Path,
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama",
+    seed: int = 0,
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny random-weight HF checkpoint (config, safetensors, tokenizer files); returns the dir.
+
+    Defaults tie the embeddings for llama and qwen3 and not for qwen2, so both
+    output-head layouts are covered.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tie = arch != "qwen2" if tie_word_embeddings is None else tie_word_embeddings
+    head_dim = hidden_size // num_heads
+    cfg = _hf_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                     num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     tie=tie, rope_scaling=rope_scaling)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    weights = _random_weights(cfg, head_dim, seed)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+    tok = train_tiny_tokenizer(vocab_size=min(300, vocab_size))
+    tok.save(str(directory / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML_TEMPLATE,
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[2],
+        "pad_token": SPECIAL_TOKENS[0],
+        "model_max_length": 512,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return directory
+
+
+@torch.no_grad()
+def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16) -> list[int]:
+    """Greedy-decode ``n`` tokens after ``ids`` with the paged cache (one prefill, then decodes)."""
+    device = model.model.embed_tokens.weight.device
+    dtype = model.model.embed_tokens.weight.dtype
+    total = len(ids) + n
+    blocks = list(range(math.ceil(total / block_size)))
+    caches = allocate_kv_cache(model.config, len(blocks), block_size, dtype, device)
+    tokens = list(ids)
+    out: list[int] = []
+    start, step_ids = 0, list(ids)
+    for _ in range(n):
+        attn = build_attn_metadata([(start, len(step_ids), blocks)], block_size, device)
+        positions = torch.arange(start, start + len(step_ids), device=device)
+        hidden = model(torch.tensor(step_ids, device=device), positions, attn, caches)
+        next_id = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        out.append(next_id)
+        tokens.append(next_id)
+        start, step_ids = start + len(step_ids), [next_id]
+    return out
