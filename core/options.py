@@ -34,7 +34,7 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
             alternative="Use a deployment whose plugin declares guided decoding.")),
     RequestOption(
         name="media_under_pruner", title="Media under an active visual-token pruner",
-        uses=lambda spec: bool(spec.extras.get("media")) and bool(spec.extras.get("pruner_active")), order=30,
+        uses=_extra("media"), order=30,
         default=OptionSupport(
             Support.FOUNDER_ONLY, reason="Pruning runs only in the founding prefill; a seated prefill would skip it.")),
     RequestOption(

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ifb_plugins.text import triton_kernels
 from ifb_plugins.text.attention import AttnMetadata, paged_attention, write_kv
 from ifb_plugins.text.config import TextModelConfig
 
@@ -87,6 +88,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_kernels.applies_to(x):
+            return triton_kernels.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 whatever the model dtype, as the reference implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -100,7 +100,9 @@ def _random_weights(cfg: dict[str, Any], head_dim: int, seed: int) -> dict[str, 
     def norm(dim: int) -> torch.Tensor:
         return 1.0 + rand(dim, scale=0.1)  # not all ones, so a dropped norm weight shows
 
-    sd = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, scale=1.0), "model.norm.weight": norm(h)}
+    # 1/sqrt(h) keeps tied logits (normed hidden . embedding row) O(1): a peaked random model
+    # would emit one token forever and make batching tests pass trivially.
+    sd = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h), "model.norm.weight": norm(h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = norm(h)

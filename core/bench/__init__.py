@@ -1,0 +1,1 @@
+"""The load generator behind `ifb bench`."""

@@ -1,0 +1,172 @@
+"""Parsed OpenAI request bodies -> ``RequestSpec`` (sampling parameters and extras).
+
+Known OpenAI fields this server does not implement are refused here with a
+400 naming the field; fields the engine judges per deployment (guided
+decoding, audio output) travel in ``extras`` and the engine decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cattrs
+
+from ifb.params import RequestSpec, SamplingParams
+from ifb.server.errors import ApiError
+from ifb.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat, Stop
+
+#: chat roles the templates know; ``developer`` is OpenAI's newer name for ``system``
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MODALITIES = ("text", "audio")
+_plain = cattrs.Converter()
+
+
+def _refuse(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+def _stop(stop: Stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+              logprobs: int | None) -> SamplingParams:
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=given(body.temperature, 1.0),
+        top_p=given(body.top_p, 1.0),
+        top_k=given(body.top_k, 0),
+        min_p=given(body.min_p, 0.0),
+        repetition_penalty=given(body.repetition_penalty, 1.0),
+        presence_penalty=given(body.presence_penalty, 0.0),
+        frequency_penalty=given(body.frequency_penalty, 0.0),
+        seed=body.seed,
+        logprobs=logprobs,
+        stop=_stop(body.stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        n=body.n,
+    )
+
+
+def _common_checks(body: CompletionRequest | ChatCompletionRequest) -> None:
+    if body.logit_bias:
+        raise _refuse("logit_bias", "logit_bias is not supported by this server (only an empty object)")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _response_format(fmt: ResponseFormat | None) -> dict | None:
+    """Guided decoding requests go to the engine, which accepts or rejects them per deployment."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs a json_schema object",
+                           param="response_format.json_schema")
+        schema = {k: v for k, v in _plain.unstructure(fmt.json_schema).items() if v is not None}
+        return {"type": "json_schema", "json_schema": schema}
+    raise ApiError(400, f"unknown response_format type {fmt.type!r} (text, json_object or json_schema)",
+                   param="response_format.type")
+
+
+def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestSpec:
+    """The engine request for a ``/v1/completions`` body."""
+    _common_checks(body)
+    if body.echo:
+        raise _refuse("echo", "echo is not supported by this server")
+    if body.suffix:
+        raise _refuse("suffix", "suffix (insertion) is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise _refuse("best_of", "best_of is not supported by this server (leave it unset or equal to n)")
+    prompt, prompt_ids = _prompt(body.prompt)
+    extras = dict(extras)
+    guided = _response_format(body.response_format)
+    if guided is not None:
+        extras["response_format"] = guided
+    return RequestSpec(
+        prompt=prompt, prompt_token_ids=prompt_ids,
+        params=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
+        stream=body.stream, extras=extras,
+    )
+
+
+def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise _refuse("prompt", "send one prompt per request (a list of prompts is not supported)")
+        prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt, None
+    return None, tuple(prompt)
+
+
+def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any]) -> RequestSpec:
+    """The engine request for a ``/v1/chat/completions`` body."""
+    _common_checks(body)
+    if body.tools:
+        raise _refuse("tools", "tool calling is not supported by this server")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise _refuse("tool_choice", "tool calling is not supported by this server")
+    if body.top_logprobs is not None:
+        if not body.logprobs and body.top_logprobs > 0:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
+    extras = dict(extras)
+    guided = _response_format(body.response_format)
+    if guided is not None:
+        extras["response_format"] = guided
+    for i, modality in enumerate(body.modalities or ()):
+        if modality not in _MODALITIES:
+            raise ApiError(400, f"unknown modality {modality!r} (text or audio)", param=f"modalities[{i}]")
+    if "audio" in (body.modalities or ()):
+        extras["generate_audio"] = True
+        if body.audio is not None:
+            extras["audio"] = {k: v for k, v in _plain.unstructure(body.audio).items() if v is not None}
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return RequestSpec(
+        messages=tuple(_message(m, i) for i, m in enumerate(body.messages)),
+        params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
+        stream=body.stream, extras=extras,
+    )
+
+
+def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise ApiError(400, f"unsupported role {message.role!r} (system, developer, user or assistant)",
+                       param=f"messages[{index}].role")
+    out: dict[str, Any] = {"role": role, "content": _content(message.content, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _content(content: Any, index: int) -> Any:
+    """Text parts are joined into one string; media parts stay as OpenAI-shaped dicts for the plugin."""
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        field = {"text": "text", "image_url": "image_url", "input_audio": "input_audio"}.get(part.type)
+        if field is None:
+            raise ApiError(400, f"unknown content part type {part.type!r} (text, image_url or input_audio)",
+                           param=f"{where}.type")
+        if getattr(part, field) is None:
+            raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
+        parts.append({"type": part.type, field: _plain.unstructure(getattr(part, field))})
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts

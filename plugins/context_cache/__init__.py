@@ -1,0 +1,1 @@
+"""The context_cache plugin (see docs/plugins.md)."""

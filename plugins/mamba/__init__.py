@@ -1,0 +1,1 @@
+"""The mamba plugin (see docs/plugins.md)."""

@@ -1,0 +1,1 @@
+"""The speech plugin (see docs/plugins.md)."""

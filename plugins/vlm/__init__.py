@@ -1,0 +1,1 @@
+"""The vlm plugin (see docs/plugins.md)."""
