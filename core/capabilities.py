@@ -72,6 +72,8 @@ class DeploymentCaps:
     endpoints: dict[str, EndpointSupport] = attrs.field(factory=dict)
     #: why the deployment is not stepped / not seated, shown by the gate
     notes: str = ""
+    #: a joiner's max_tokens must equal the running batch's (the founder's)
+    batch_wide_generation_length: bool = False
     #: whether KV blocks can be reused across requests (prefix caching)
     supports_prefix_reuse: bool = True
     prefix_reuse_note: str = ""

@@ -8,8 +8,10 @@ import attrs
 
 from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
+from ifb.counters import SchedulingCounters
 from ifb.engine import RequestEngine
 from ifb.gate import UnsupportedDeployment, check_deployment
+from ifb.kv import BlockManager
 from ifb.plugins import PluginHost, default_host
 
 log = logging.getLogger("ifb.deploy")
@@ -55,16 +57,22 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     reason = check_deployment(caps, config)  # the loaded runtime's own declaration is the final word
     options = host.request_options()
     if config.enable_in_flight_batching:
-        prefix, blocks = None, None
+        counters = SchedulingCounters()
+        blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+        prefix = None
         if config.enable_context_reuse:
-            from ifb.kv import BlockManager
-            blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
-            prefix = host.hook.ifb_prefix_cache(config=config, blocks=blocks, runtime=runtime)
+            prefix = host.hook.ifb_prefix_cache(config=config, blocks=blocks, runtime=runtime, counters=counters)
             if prefix is None:
                 raise UnsupportedDeployment("--enable-context-reuse needs the context_cache plugin, which is not installed")
-        engine = RequestEngine(runtime, config, options, prefix=prefix, blocks=blocks,
+        engine = RequestEngine(runtime, config, options, prefix=prefix, blocks=blocks, counters=counters,
                                static_batching=static_batching)
+        warmup = config.options.get("warmup_prompt")
+        if warmup:
+            engine.warmup(warmup)
     else:
+        if config.enable_context_reuse:
+            raise UnsupportedDeployment(
+                "--enable-context-reuse is served under in-flight batching only: add --enable-in-flight-batching")
         engine = BlockingEngine(runtime, config, options, reason=reason)
     deployment = Deployment(kind, config, caps, runtime, engine, reason)
     log.info(deployment.describe())

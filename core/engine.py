@@ -19,7 +19,7 @@ from ifb.detok import IncrementalDetokenizer
 from ifb.gate import UnsupportedDeployment, ifb_unsupported_reason
 from ifb.kv import BlockManager
 from ifb.outputs import RequestHandle
-from ifb.params import InvalidRequest, RequestSpec
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.request import Request
 from ifb.runtime import Runtime
 from ifb.scheduler import PrefixMatcher, Scheduler
@@ -108,6 +108,7 @@ class RequestEngine:
         *,
         prefix: PrefixMatcher | None = None,
         blocks: BlockManager | None = None,
+        counters: SchedulingCounters | None = None,
         static_batching: bool = False,
     ):
         reason = ifb_unsupported_reason(runtime.caps, config)
@@ -118,7 +119,8 @@ class RequestEngine:
         self.options = options
         self.support: dict[str, OptionSupport] = {o.name: runtime.caps.option(o) for o in options}
         self.max_in_system = config.max_batch_size + config.max_queued_requests
-        self.counters = SchedulingCounters()
+        self.counters = counters or SchedulingCounters()
+        self.prefix = prefix
         self.blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
         sampling = self.support.get("differing_sampling")
         self.scheduler = Scheduler(
@@ -127,6 +129,7 @@ class RequestEngine:
             blocks=self.blocks, tokenizer=runtime.tokenizer, max_model_len=runtime.max_model_len,
             counters=self.counters, static_batching=static_batching, prefix=prefix,
             batch_wide_sampling=sampling is not None and sampling.support is not Support.SERVED,
+            batch_wide_length=runtime.caps.batch_wide_generation_length,
             release=lambda r: runtime.release(r.request_id, r.seat),
         )
         self.scheduler.listeners.append(self)
@@ -226,10 +229,30 @@ class RequestEngine:
             self._cv.notify_all()
         self._thread.join(timeout=30)
 
+    def warmup(self, prompt: str | RequestSpec) -> None:
+        """Prefill ``prompt`` and publish its KV before serving (needs the context cache).
+
+        A string is taken as a system prompt and rendered through the chat
+        template, so chats that start with it reuse the published blocks.
+        """
+        if self.prefix is None:
+            raise UnsupportedDeployment("a warm-up prompt needs --enable-context-reuse")
+        if isinstance(prompt, str):
+            text = self.runtime.tokenizer.apply_chat_template(
+                [{"role": "system", "content": prompt}], add_generation_prompt=False)
+            ids = self.runtime.tokenizer.encode(text, add_special_tokens=False)
+            prompt = RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(max_tokens=1, temperature=0.0))
+        self.submit(prompt, wait=True).result()
+
     # ---- reporting ----
     def health(self) -> dict:
-        return {
+        out = {
             "in_flight_batching": True,
             "max_num_seqs": self.config.max_batch_size,
             "scheduling": self.counters.snapshot(),
         }
+        if self.prefix is not None:
+            c = self.counters
+            out["prefix_cache"] = {"queries": c.prefix_cache_queries, "hits": c.prefix_cache_hits,
+                                   "evictions": c.prefix_cache_evictions}
+        return out

@@ -34,9 +34,12 @@ def ifb_resolve_model(name: str | None, plugin: str) -> str | None:
 
 
 @hookspec(firstresult=True)
-def ifb_prefix_cache(config: Any, blocks: Any, runtime: Any) -> Any:
-    """Return a ``PrefixMatcher`` (and attach a ``BlockCache`` to ``blocks``) when
-    ``config.enable_context_reuse`` is set; None when this plugin does not provide one."""
+def ifb_prefix_cache(config: Any, blocks: Any, runtime: Any, counters: Any) -> Any:
+    """Return a ``PrefixMatcher`` for prefix KV reuse when ``config.enable_context_reuse`` is set.
+
+    The provider attaches its ``BlockCache`` to ``blocks`` (an ``ifb.kv.BlockManager``)
+    and reports queries, hits and evictions in ``counters``. None when it does not apply.
+    """
 
 
 @hookspec

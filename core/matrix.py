@@ -37,7 +37,9 @@ def deployment_row(kind: DeploymentKind, variant: MatrixVariant) -> Row:
     caps = kind.declare(variant.config)
     reason = ifb_unsupported_reason(caps, variant.config)
     refused = sorted(e for e, s in caps.endpoints.items() if s is EndpointSupport.REFUSED_UNDER_IFB)
-    if reason is not None:
+    if variant.config.enable_context_reuse and not caps.supports_prefix_reuse:
+        status, note = "rejected", f"--enable-context-reuse is refused at start-up: {caps.prefix_reuse_note}"
+    elif reason is not None:
         status, note = "blocking path", f"Refused at start-up under the flag: {reason}."
     elif refused:
         status = "text-only"
@@ -68,10 +70,21 @@ def request_rows(kind: DeploymentKind, host: PluginHost) -> list[Row]:
     return rows
 
 
+def with_context_cache(kind: DeploymentKind) -> MatrixVariant:
+    base = variants(kind)[0]
+    return MatrixVariant(f"{base.title} + context cache (prefix reuse)",
+                         attrs.evolve(base.config, enable_context_reuse=True))
+
+
 def build(host: PluginHost, builtin_only: bool = False) -> tuple[list[Row], list[Row]]:
     builtin = {i.name for i in host.infos if i.is_builtin}
     kinds = [k for k in host.deployment_kinds() if not builtin_only or k.plugin in builtin]
-    deployments = [deployment_row(k, v) for k in kinds for v in variants(k)]
+    has_cache = bool(host.hook.ifb_prefix_cache.get_hookimpls())
+    deployments = []
+    for k in kinds:
+        deployments += [deployment_row(k, v) for v in variants(k)]
+        if has_cache:
+            deployments.append(deployment_row(k, with_context_cache(k)))
     requests = [row for k in kinds for row in request_rows(k, host)]
     return deployments, requests
 

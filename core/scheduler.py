@@ -43,6 +43,7 @@ class Scheduler:
         max_model_len: int,
         counters: SchedulingCounters | None = None,
         batch_wide_sampling: bool = False,
+        batch_wide_length: bool = False,
         static_batching: bool = False,
         release: Callable[[Request], None] = lambda r: None,
         prefix: PrefixMatcher | None = None,
@@ -56,6 +57,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.counters = counters or SchedulingCounters()
         self.batch_wide_sampling = batch_wide_sampling
+        self.batch_wide_length = batch_wide_length
         self.static_batching = static_batching
         self.release = release
         self.prefix = prefix
@@ -64,6 +66,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._free_seats = list(range(num_seats))
         self._batch_key: tuple | None = None
+        self._batch_length: int | None = None
         self._step_id = 0
         self.listeners: list = []  # objects with on_token(req, now) / on_finish(req, now)
         #: why each request that is not in the last step was left out (for tests and debugging)
@@ -94,6 +97,8 @@ class Scheduler:
             return head.founder_only.stall_counter
         if self.batch_wide_sampling and head.params.batch_key() != self._batch_key:
             return "stalls_incompatible"
+        if self.batch_wide_length and head.max_tokens != self._batch_length:
+            return "stalls_incompatible"  # generation length is a batch-wide setting here
         if not self.blocks.can_allocate(self._blocks_needed(head)):
             return "stalls_no_capacity"
         return None
@@ -136,6 +141,7 @@ class Scheduler:
         head.admitted_time = now
         if not self.running:
             self._batch_key = head.params.batch_key()
+            self._batch_length = head.max_tokens
         self.running.append(head)
         with self.counters.lock:
             self.counters.queued -= 1

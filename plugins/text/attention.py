@@ -108,7 +108,7 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata
 ) -> torch.Tensor:
     """All single-token sequences at once: one masked SDPA over ``[Bd, H, 1, max_ctx]``."""
-    if triton_kernels.applies_to(q):
+    if triton_kernels.applies_to(q):  # CUDA inference: the Triton kernel, same math, no gather copy
         return triton_kernels.decode_attention(q, k_cache, v_cache, attn)
     tables = attn.block_tables.index_select(0, attn.decode_seq_idx)  # [Bd, W]
     lens = attn.seq_lens.index_select(0, attn.decode_seq_idx)  # [Bd]

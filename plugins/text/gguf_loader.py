@@ -24,12 +24,12 @@ from ifb_plugins.text.config import TextModelConfig
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 # GGUF tensor name -> HF name; ``{}`` is the layer index.
-_GLOBAL_NAMES = {
+GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -61,12 +61,12 @@ class GGUFTensor:
 
 def hf_name(gguf_name: str) -> str | None:
     """The HF state-dict name of a GGUF tensor, or None for tensors we do not load."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in GGUF_LAYER_NAMES:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:

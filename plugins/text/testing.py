@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
-from safetensors.torch import save_file
+import gguf
+import numpy as np
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ifb_plugins.text.attention import build_attn_metadata
+from ifb_plugins.text.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from ifb_plugins.text.model import TextModel, allocate_kv_cache
 
 CHATML_TEMPLATE = (
@@ -41,7 +44,10 @@ _CORPUS = [
 def train_tiny_tokenizer(vocab_size: int = 300) -> Tokenizer:
     """A byte-level BPE trained in-process; the special tokens get ids 0, 1, 2."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # SmolLM's layout: every digit on its own, then the GPT-2 byte-level regex.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -168,23 +174,122 @@ def save_tiny_checkpoint(
     return directory
 
 
+_GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter row order for Q/K: rotate-half pairs become interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def save_tiny_gguf(
+    hf_dir: str | Path,
+    path: str | Path,
+    weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_1,
+    embed_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
+) -> Path:
+    """Convert a tiny *llama* checkpoint to GGUF the way llama.cpp does (Q/K permuted, quantized).
+
+    Matrices use ``weight_type`` and the embedding ``embed_type`` (the default
+    model's layout); norms stay float32. The tokenizer goes into
+    ``tokenizer.ggml.*`` metadata with pre-tokenizer ``smollm``.
+    """
+    hf_dir, path = Path(hf_dir), Path(path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if cfg["model_type"] != "llama":
+        raise ValueError("save_tiny_gguf writes the llama layout only")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    vocab.update({t["content"]: t["id"] for t in tok["added_tokens"]})
+    tokens = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]  # the model's vocab is padded past the tokenizer's
+    for t, i in vocab.items():
+        tokens[i] = t
+    types = [3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+
+    gguf_names = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
+    state = load_file(str(hf_dir / "model.safetensors"))
+    for name, tensor in state.items():
+        data = tensor.float().numpy()
+        if name in gguf_names:
+            gname = gguf_names[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
+        if name.endswith("q_proj.weight"):
+            data = _llama_cpp_permute(data, heads)
+        elif name.endswith("k_proj.weight"):
+            data = _llama_cpp_permute(data, kv_heads)
+        qtype = embed_type if gname == "token_embd.weight" else weight_type if data.ndim == 2 else None
+        if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @torch.no_grad()
-def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16) -> list[int]:
-    """Greedy-decode ``n`` tokens after ``ids`` with the paged cache (one prefill, then decodes)."""
+def greedy_generate_batch(
+    model: TextModel, prompts: Sequence[Sequence[int]], n: int, block_size: int = 16
+) -> list[list[int]]:
+    """Greedy-decode ``n`` tokens for every prompt in one ragged batch over the paged cache.
+
+    Step 1 prefills all prompts together; every later step decodes one token per
+    sequence. Block ids are interleaved across sequences so a sequence's blocks
+    are never contiguous in the cache (as in a real serving run).
+    """
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
-    total = len(ids) + n
-    blocks = list(range(math.ceil(total / block_size)))
-    caches = allocate_kv_cache(model.config, len(blocks), block_size, dtype, device)
-    tokens = list(ids)
-    out: list[int] = []
-    start, step_ids = 0, list(ids)
+    per_seq = [math.ceil((len(p) + n) / block_size) for p in prompts]
+    width = max(per_seq)
+    tables = [[j * len(prompts) + b for j in range(per_seq[b])] for b in range(len(prompts))]
+    caches = allocate_kv_cache(model.config, width * len(prompts), block_size, dtype, device)
+    starts = [0] * len(prompts)
+    step_ids = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
     for _ in range(n):
-        attn = build_attn_metadata([(start, len(step_ids), blocks)], block_size, device)
-        positions = torch.arange(start, start + len(step_ids), device=device)
-        hidden = model(torch.tensor(step_ids, device=device), positions, attn, caches)
-        next_id = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        out.append(next_id)
-        tokens.append(next_id)
-        start, step_ids = start + len(step_ids), [next_id]
+        attn = build_attn_metadata(
+            [(starts[b], len(step_ids[b]), tables[b]) for b in range(len(prompts))], block_size, device
+        )
+        flat = [t for ids in step_ids for t in ids]
+        positions = [starts[b] + i for b in range(len(prompts)) for i in range(len(step_ids[b]))]
+        hidden = model(torch.tensor(flat, device=device), torch.tensor(positions, device=device), attn, caches)
+        last = attn.query_start_loc[1:] - 1  # the last token of each sequence samples
+        next_ids = model.compute_logits(hidden[last]).argmax(-1).tolist()
+        for b, tok in enumerate(next_ids):
+            out[b].append(tok)
+            starts[b] += len(step_ids[b])
+            step_ids[b] = [tok]
     return out
+
+
+def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16) -> list[int]:
+    """Greedy-decode ``n`` tokens after ``ids`` alone (a batch of one)."""
+    return greedy_generate_batch(model, [ids], n, block_size)[0]

@@ -106,7 +106,7 @@ if HAS_TRITON:
         kv_in_slot = kv_head * kv_stride_head + slots[:, None] * kv_stride_slot + dims[None, :]
         for j in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
             block = tl.load(tables_ptr + seq * tables_stride_b + j).to(tl.int64)
-            slot_ok = (slots < BLOCK_SIZE)
+            slot_ok = (slots < BLOCK_SIZE) & (j * BLOCK_SIZE + slots < seq_len)
             kv_offs = block * kv_stride_block + kv_in_slot
             kv_mask = slot_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [S, D]

@@ -1,0 +1,110 @@
+"""``ifb serve``: load a deployment and serve it over OpenAI-compatible HTTP."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from ifb.capabilities import DeployConfig
+
+log = logging.getLogger("ifb.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _parse_lora(values: tuple[str, ...]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for value in values:
+        name, sep, directory = value.partition("=")
+        if not sep or not name or not directory:
+            raise click.BadParameter(f"{value!r} is not NAME=DIR", param_hint="--lora")
+        if not Path(directory).expanduser().is_dir():
+            raise click.BadParameter(f"{directory!r} is not a directory", param_hint="--lora")
+        if name in adapters:
+            raise click.BadParameter(f"adapter {name!r} is given twice", param_hint="--lora")
+        adapters[name] = str(Path(directory).expanduser())
+    return adapters
+
+
+def _reason(exc: BaseException) -> str:
+    # KeyError's str() quotes its message
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("--plugin", default="text", show_default=True, help="Plugin (deployment kind) that loads the model.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Requests that decode together (seats in the running batch).")
+@click.option("--enable-in-flight-batching", is_flag=True,
+              help="Let queued requests join the running batch at the next step boundary.")
+@click.option("--max-queued-requests", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait beyond the batch; past it a request gets 429.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds a request may wait in the queue on the default path before it gets 429.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="Per-step token budget (prefill chunks + decodes).  [default: 256]")
+@click.option("--enable-context-reuse", is_flag=True, help="Reuse published KV prefixes across requests.")
+@click.option("--max-kv-cache-capacity", type=click.IntRange(min=1), default=None,
+              help="Tokens of KV cache to allocate.")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
+              help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
+@click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="IFB_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every route but /health (or set IFB_API_KEY).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
+          max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
+          enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
+          served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str) -> None:
+    """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
+    over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    import uvicorn
+
+    from ifb.deploy import load_deployment
+    from ifb.server.app import build_app
+
+    _setup_logging(log_level)
+    options: dict = {}
+    adapters = _parse_lora(loras)
+    if adapters:
+        options["lora_adapters"] = adapters
+    if served_model_name:
+        options["served_model_name"] = served_model_name
+    fields = dict(
+        model=model, plugin=plugin, max_batch_size=max_batch_size,
+        enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
+        queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
+        max_kv_cache_capacity=max_kv_cache_capacity, options=options,
+    )
+    if max_num_batched_tokens is not None:
+        fields["max_num_batched_tokens"] = max_num_batched_tokens
+    config = DeployConfig(**fields)
+    log.info("loading %s with plugin %s", model or "the default model", plugin)
+    try:
+        deployment = load_deployment(config)
+    except Exception as exc:  # noqa: BLE001 - any start-up refusal is reported, without a traceback
+        log.debug("start-up failed", exc_info=True)
+        click.echo(f"ifb serve: {_reason(exc)}", err=True)
+        sys.exit(1)
+    try:
+        app = build_app(deployment, api_key=api_key, model_name=served_model_name)
+        if not logging.getLogger("ifb.deploy").isEnabledFor(logging.INFO):  # else load_deployment logged it
+            click.echo(f"ifb serve: {deployment.describe()}", err=True)
+        click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "
+                   f"({'API key required' if api_key else 'no API key'})", err=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        deployment.shutdown()

@@ -1,0 +1,244 @@
+"""``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+A request is submitted (tokenization in a worker thread), then the handler
+waits for its first output before answering, so admission failures (a queue
+time-out on the blocking path, a failed step) still get a proper status. While
+waiting, and while streaming, a client that disconnects cancels its request
+inside the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+import attrs
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from ifb.outputs import RequestHandle, RequestOutput
+from ifb.server.convert import chat_spec, completion_spec
+from ifb.server.errors import ApiError
+from ifb.server.metrics import RequestTimer
+from ifb.server.render import ChatRenderer, Collected, CompletionRenderer, _Renderer
+from ifb.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from ifb.server.state import AppState
+
+T = TypeVar("T")
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.ifb
+
+
+# ---- disconnect watching ----
+
+async def _watch(receive: Receive, handle: RequestHandle, scope: anyio.CancelScope) -> None:
+    """Cancel ``handle`` (and ``scope``) when the client disconnects."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            scope.cancel()
+            return
+
+
+async def until_disconnect(request: Request, handle: RequestHandle,
+                           work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+    """Run ``work`` while watching the client; returns (client still there, result).
+
+    ``work``'s own exceptions propagate as they are (not wrapped in a group).
+    """
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as group:
+        group.start_soon(_watch, request.receive, handle, group.cancel_scope)
+        try:
+            outcome["value"] = await work()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+            outcome["error"] = exc
+        group.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return "value" in outcome, outcome.get("value")
+
+
+def _failure(out: RequestOutput) -> ApiError:
+    """The error a request the engine failed answers with (before anything was sent)."""
+    status = int(out.extras.get("status", 500)) if out.extras else 500
+    return ApiError(status, out.error or "the request failed", code="engine_full" if status == 429 else None)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class EventStream(StreamingResponse):
+    """A ``text/event-stream`` response that cancels its request when the client leaves.
+
+    It listens for ``http.disconnect`` itself and treats a failed send as one,
+    whatever ASGI spec version the server speaks.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None], handle: RequestHandle):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_watch, receive, self._handle, group.cancel_scope)
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for event in self._events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                group.cancel_scope.cancel()
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            if not self._handle.done.is_set():
+                self._handle.cancel()
+            await self._events.aclose()
+
+
+# ---- generation ----
+
+@attrs.frozen
+class _Kind:
+    endpoint: str
+    path: str
+    schema: type
+    to_spec: Callable
+    id_prefix: str
+
+
+COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, completion_spec, "cmpl")
+CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, chat_spec, "chatcmpl")
+
+
+def _renderer(kind: _Kind, body: Any, state: AppState, n: int) -> _Renderer:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, state.created)
+    if kind is CHAT:
+        return ChatRenderer(*args, num_choices=n, include_usage=include_usage, wants_logprobs=body.logprobs)
+    return CompletionRenderer(*args, num_choices=n, include_usage=include_usage)
+
+
+async def _generate(request: Request, kind: _Kind) -> Response:
+    state = app_state(request)
+    state.require_endpoint(kind.endpoint, kind.path)
+    body = parse_body(await request.body(), kind.schema)
+    spec = kind.to_spec(body, state.model_extras(body.model))
+    timer = state.metrics.timer()
+    handle = await state.submit(spec)
+    outputs = handle.__aiter__()
+    try:
+        present, first = await until_disconnect(request, handle, outputs.__anext__)
+    except StopAsyncIteration:
+        present, first = True, None
+    if not present or first is None:
+        timer.finish()
+        return Response(status_code=499)  # nobody is listening; the request is cancelled
+    timer.observe(first)
+    if first.finish_reason == "error":
+        handle.cancel()
+        timer.finish()
+        raise _failure(first)
+    renderer = _renderer(kind, body, state, spec.params.n)
+    if body.stream:
+        return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
+    return await _complete(request, renderer, first, outputs, handle, timer)
+
+
+async def _complete(request: Request, renderer: _Renderer, first: RequestOutput,
+                    outputs: AsyncIterator[RequestOutput], handle: RequestHandle,
+                    timer: RequestTimer) -> Response:
+    collected = Collected()
+    collected.add(first)
+
+    async def rest() -> None:
+        async for out in outputs:
+            timer.observe(out)
+            collected.add(out)
+            if out.finish_reason == "error":
+                raise _failure(out)
+
+    try:
+        if not first.finished:
+            present, _ = await until_disconnect(request, handle, rest)
+            if not present:
+                return Response(status_code=499)
+    finally:
+        timer.finish()
+    return JSONResponse(renderer.full(collected))
+
+
+async def _stream(renderer: _Renderer, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+                  handle: RequestHandle, timer: RequestTimer) -> AsyncGenerator[bytes, None]:
+    collected = Collected()
+    try:
+        for chunk in renderer.opening():
+            yield _sse(chunk)
+        out: RequestOutput | None = first
+        while out is not None:
+            if out.finish_reason == "error":
+                yield _sse(_failure(out).body())
+                handle.cancel()
+                break
+            chunk = renderer.delta(out, collected.add(out))
+            if chunk is not None:
+                yield _sse(chunk)
+            if out.finished:
+                if renderer.include_usage:
+                    yield _sse(renderer.usage_chunk(collected))
+                break
+            out = await anext(outputs, None)
+            if out is not None:
+                timer.observe(out)
+        yield _sse("[DONE]")
+    finally:
+        timer.finish()
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, COMPLETIONS)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, CHAT)
+
+
+async def list_models(request: Request) -> Response:
+    state = app_state(request)
+    served = [name for name in ("completions", "chat.completions", "audio.speech", "embeddings")
+              if state.serves_endpoint(name)]
+    served += [name for name in state.deployment.caps.endpoints if name not in served
+               and state.serves_endpoint(name)]
+    capabilities = {
+        "in_flight_batching": state.is_in_flight,
+        "max_num_seqs": state.deployment.config.max_batch_size if state.is_in_flight else 1,
+        "endpoints": served,
+        "request_options": state.option_statuses(),
+    }
+    base = {"object": "model", "created": state.created, "owned_by": "ifb"}
+    data = [{"id": state.model_name, **base, "root": state.model_name, "parent": None,
+             "plugin": state.deployment.kind.plugin, "capabilities": capabilities}]
+    for name in state.lora_names:
+        data.append({"id": name, **base, "root": name, "parent": state.model_name,
+                     "plugin": state.deployment.kind.plugin, "capabilities": capabilities})
+    return JSONResponse({"object": "list", "data": data})
+
+
+def openai_routes() -> list[Route]:
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]

@@ -1,0 +1,191 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (completions and chat)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from ifb.outputs import RequestOutput, TokenLogprob
+
+
+@attrs.define
+class Sequence:
+    """One choice of a request as its outputs arrive (n > 1 has several)."""
+
+    index: int
+    texts: list[str] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    extras: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class Collected:
+    """Everything a request streamed so far, per choice, plus usage."""
+
+    seqs: dict[int, Sequence] = attrs.field(factory=dict)
+    num_prompt_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> Sequence:
+        seq = self.seqs.setdefault(out.index, Sequence(out.index))
+        seq.texts.append(out.text)
+        seq.logprobs.extend(out.logprobs)
+        seq.num_output_tokens = max(seq.num_output_tokens, out.num_output_tokens)
+        if out.finish_reason is not None:
+            seq.finish_reason = out.finish_reason
+        if out.extras:
+            seq.extras.update(out.extras)
+        self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
+        return seq
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(s.num_output_tokens for s in self.seqs.values())
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -inf; a token the sampler ruled out gets a very low finite value instead
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return {"cancelled": "abort"}.get(reason, reason) if reason else None
+
+
+class _Renderer:
+    """Shared envelope: id, object, created, model."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, response_id: str, model: str, created: int, *, num_choices: int, include_usage: bool):
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.num_choices = num_choices
+        self.include_usage = include_usage
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, choices: list[dict]) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, collected: Collected) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = collected.usage()
+        return body
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first token."""
+        return []
+
+    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def full(self, collected: Collected) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(_Renderer):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, int] = {}  # text_offset of the next token, per choice
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        offset = self._offsets.get(index, 0)
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tokens.append(lp.token)
+            token_lps.append(_finite(lp.logprob))
+            top = {tok: _finite(value) for _, tok, value in lp.top_logprobs}
+            top.setdefault(lp.token, _finite(lp.logprob))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(lp.token)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+        if not out.text and not out.finish_reason and not out.logprobs:
+            return None
+        return self.chunk([{
+            "index": out.index, "text": out.text,
+            "logprobs": self._logprobs(out.index, out.logprobs) if out.logprobs else None,
+            "finish_reason": _finish_reason(out.finish_reason),
+        }])
+
+    def full(self, collected: Collected) -> dict[str, Any]:
+        choices = [{
+            "index": seq.index, "text": "".join(seq.texts),
+            "logprobs": self._logprobs(seq.index, seq.logprobs) if seq.logprobs else None,
+            "finish_reason": _finish_reason(seq.finish_reason),
+        } for seq in sorted(collected.seqs.values(), key=lambda s: s.index)]
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = collected.usage()
+        return body
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for lp in lps:
+        entry = _token_entry(lp.token, lp.logprob)
+        entry["top_logprobs"] = [_token_entry(tok, value) for _, tok, value in lp.top_logprobs]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+class ChatRenderer(_Renderer):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, *args, wants_logprobs: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wants_logprobs = wants_logprobs
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for i in range(self.num_choices)]
+
+    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+        if not out.text and not out.finish_reason and not out.logprobs:
+            return None
+        delta: dict[str, Any] = {"content": out.text} if out.text or not out.finish_reason else {}
+        if out.finish_reason and "audio" in seq.extras:
+            delta["audio"] = seq.extras["audio"]
+        return self.chunk([{
+            "index": out.index, "delta": delta,
+            "logprobs": chat_logprobs(out.logprobs) if self.wants_logprobs and out.logprobs else None,
+            "finish_reason": _finish_reason(out.finish_reason),
+        }])
+
+    def full(self, collected: Collected) -> dict[str, Any]:
+        choices = []
+        for seq in sorted(collected.seqs.values(), key=lambda s: s.index):
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(seq.texts), "refusal": None}
+            if "audio" in seq.extras:
+                message["audio"] = seq.extras["audio"]
+            choices.append({
+                "index": seq.index, "message": message,
+                "logprobs": chat_logprobs(seq.logprobs) if self.wants_logprobs else None,
+                "finish_reason": _finish_reason(seq.finish_reason),
+            })
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = collected.usage()
+        return body

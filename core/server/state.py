@@ -1,0 +1,125 @@
+"""What routes (built-in and plugin-supplied) share: the deployment, auth, errors, submission."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import attrs
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
+
+from ifb.capabilities import EndpointSupport, Support
+from ifb.engine import EngineFull, RequestRejected
+from ifb.outputs import RequestHandle
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.server.errors import ApiError, error_response
+from ifb.server.metrics import ServerMetrics
+
+#: body fields a range error may name (``SamplingParams.validate`` messages start with the field)
+_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty", "logprobs", "stop", "n")
+
+
+def _param_of(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAM_NAMES else None
+
+
+@attrs.define
+class AppState:
+    """Handed to every route (``request.app.state.ifb``) and to the ``ifb_http_routes`` hook.
+
+    Plugin routes use ``check_auth``, ``ApiError`` / ``error_response`` for
+    OpenAI-shaped errors, ``submit`` to queue a request without blocking the
+    event loop, and ``require_endpoint`` to honour the deployment's declaration.
+    """
+
+    deployment: Any  # ifb.deploy.Deployment
+    model_name: str
+    metrics: ServerMetrics
+    api_key: str | None = None
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+    ApiError = ApiError
+    error_response = staticmethod(error_response)
+
+    @property
+    def engine(self):
+        return self.deployment.engine
+
+    @property
+    def is_in_flight(self) -> bool:
+        return bool(self.engine.is_in_flight)
+
+    # ---- auth ----
+    def is_authorized(self, connection: HTTPConnection) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def check_auth(self, connection: HTTPConnection) -> None:
+        """Raise ApiError(401) unless the request carries ``Authorization: Bearer <key>``."""
+        if not self.is_authorized(connection):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    # ---- models ----
+    @property
+    def lora_names(self) -> list[str]:
+        return sorted((self.deployment.config.options.get("lora_adapters") or {}))
+
+    def model_extras(self, model: str | None) -> dict[str, Any]:
+        """Extras a request's ``model`` field implies: a LoRA adapter's name selects it."""
+        if model is None or model in (self.model_name, self.deployment.runtime.model_name):
+            return {}
+        if model in self.lora_names:
+            return {"lora": model}
+        served = ", ".join([self.model_name, *self.lora_names])
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    def endpoint_status(self, endpoint: str) -> EndpointSupport:
+        declared = self.deployment.caps.endpoints
+        if not declared:  # nothing declared: a text deployment serving completions and chat
+            return EndpointSupport.SERVED if endpoint in ("completions", "chat.completions") \
+                else EndpointSupport.ABSENT
+        return declared.get(endpoint, EndpointSupport.ABSENT)
+
+    def serves_endpoint(self, endpoint: str) -> bool:
+        status = self.endpoint_status(endpoint)
+        return status is EndpointSupport.SERVED or (
+            status is EndpointSupport.REFUSED_UNDER_IFB and not self.is_in_flight)
+
+    def require_endpoint(self, endpoint: str, path: str) -> None:
+        """Raise the error a request to an endpoint this deployment does not serve gets."""
+        status = self.endpoint_status(endpoint)
+        if status is EndpointSupport.ABSENT:
+            raise ApiError(404, f"this deployment does not serve {path}", code="endpoint_not_served")
+        if status is EndpointSupport.REFUSED_UNDER_IFB and self.is_in_flight:
+            raise ApiError(400, f"{path} is not available under in-flight batching; serve without "
+                                "--enable-in-flight-batching to use it", code="unsupported_endpoint")
+
+    def option_statuses(self) -> dict[str, str]:
+        """Each request option's status on the path this deployment is served by."""
+        out = {}
+        for option in self.engine.options:
+            support = self.engine.support[option.name].support
+            if not self.is_in_flight:  # one at a time: only what the deployment lacks entirely is refused
+                support = support if support is Support.NOT_APPLICABLE else Support.SERVED
+            out[option.name] = support.value
+        return out
+
+    # ---- submission ----
+    async def submit(self, spec: RequestSpec) -> RequestHandle:
+        """Queue ``spec`` (tokenization runs in a worker thread); engine refusals become ApiErrors."""
+        try:
+            return await run_in_threadpool(self.engine.submit, spec)
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+        except RequestRejected as exc:
+            raise ApiError(400, str(exc), code="unsupported_option") from None
+        except EngineFull as exc:
+            raise ApiError(429, f"{exc}; retry later", code="engine_full") from None
