@@ -16,6 +16,23 @@ def _extra(name: str):
     return lambda spec: bool(spec.extras.get(name))
 
 
+def _is_guided(spec: RequestSpec) -> bool:
+    fmt = spec.extras.get("response_format")
+    return fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text")
+
+
+def has_media(spec: RequestSpec) -> bool:
+    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
+    if spec.extras.get("media"):
+        return True
+    for message in spec.messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, (list, tuple)) and any(
+                not isinstance(part, dict) or part.get("type") != "text" for part in content):
+            return True
+    return False
+
+
 BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption(
         name="plain_text", title="Plain text generation, streaming, logprobs, stop strings",
@@ -28,13 +45,13 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
             stall_counter="stalls_incompatible")),
     RequestOption(
         name="guided_decoding", title="Guided decoding (grammar / JSON)",
-        uses=lambda spec: spec.extras.get("response_format") is not None, order=20,
+        uses=_is_guided, order=20,
         default=OptionSupport(
             Support.REJECTED, reason="This deployment has no guided decoder.",
             alternative="Use a deployment whose plugin declares guided decoding.")),
     RequestOption(
         name="media_under_pruner", title="Media under an active visual-token pruner",
-        uses=_extra("media"), order=30,
+        uses=has_media, order=30,
         default=OptionSupport(
             Support.FOUNDER_ONLY, reason="Pruning runs only in the founding prefill; a seated prefill would skip it.")),
     RequestOption(

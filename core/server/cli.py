@@ -65,10 +65,13 @@ def _setup_logging(level: str) -> None:
 @click.option("--api-key", envvar="IFB_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health (or set IFB_API_KEY).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--static-batching", is_flag=True, hidden=True,
+              help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
-          served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str) -> None:
+          served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
+          static_batching: bool = False) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     import uvicorn
@@ -77,6 +80,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     from ifb.server.app import build_app
 
     _setup_logging(log_level)
+    if static_batching and not enable_in_flight_batching:
+        raise click.UsageError("--static-batching needs --enable-in-flight-batching")
     options: dict = {}
     adapters = _parse_lora(loras)
     if adapters:
@@ -94,7 +99,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     config = DeployConfig(**fields)
     log.info("loading %s with plugin %s", model or "the default model", plugin)
     try:
-        deployment = load_deployment(config)
+        deployment = load_deployment(config, static_batching=static_batching)
     except Exception as exc:  # noqa: BLE001 - any start-up refusal is reported, without a traceback
         log.debug("start-up failed", exc_info=True)
         click.echo(f"ifb serve: {_reason(exc)}", err=True)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import cattrs
-
 from ifb.params import RequestSpec, SamplingParams
 from ifb.server.errors import ApiError
-from ifb.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat, Stop
+from ifb.server.schemas import (
+    ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat, Stop, converter,
+)
 
 #: chat roles the templates know; ``developer`` is OpenAI's newer name for ``system``
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MODALITIES = ("text", "audio")
-_plain = cattrs.Converter()
 
 
 def _refuse(param: str, message: str) -> ApiError:
@@ -71,7 +70,7 @@ def _response_format(fmt: ResponseFormat | None) -> dict | None:
         if fmt.json_schema is None:
             raise ApiError(400, "response_format of type json_schema needs a json_schema object",
                            param="response_format.json_schema")
-        schema = {k: v for k, v in _plain.unstructure(fmt.json_schema).items() if v is not None}
+        schema = {k: v for k, v in converter.unstructure(fmt.json_schema).items() if v is not None}
         return {"type": "json_schema", "json_schema": schema}
     raise ApiError(400, f"unknown response_format type {fmt.type!r} (text, json_object or json_schema)",
                    param="response_format.type")
@@ -132,7 +131,7 @@ def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any]) -> RequestSpe
     if "audio" in (body.modalities or ()):
         extras["generate_audio"] = True
         if body.audio is not None:
-            extras["audio"] = {k: v for k, v in _plain.unstructure(body.audio).items() if v is not None}
+            extras["audio"] = {k: v for k, v in converter.unstructure(body.audio).items() if v is not None}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return RequestSpec(
@@ -166,7 +165,7 @@ def _content(content: Any, index: int) -> Any:
                            param=f"{where}.type")
         if getattr(part, field) is None:
             raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
-        parts.append({"type": part.type, field: _plain.unstructure(getattr(part, field))})
+        parts.append({"type": part.type, field: converter.unstructure(getattr(part, field))})
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts

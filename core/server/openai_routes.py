@@ -138,6 +138,18 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     spec = kind.to_spec(body, state.model_extras(body.model))
     timer = state.metrics.timer()
     handle = await state.submit(spec)
+    try:
+        return await _answer(request, kind, body, state, handle, timer, spec.params.n)
+    except BaseException:
+        # an error answer, or the server stopping: nobody will read this request any more
+        if not handle.done.is_set():
+            handle.cancel()
+        timer.finish()
+        raise
+
+
+async def _answer(request: Request, kind: _Kind, body: Any, state: AppState, handle: RequestHandle,
+                  timer: RequestTimer, n: int) -> Response:
     outputs = handle.__aiter__()
     try:
         present, first = await until_disconnect(request, handle, outputs.__anext__)
@@ -148,10 +160,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         return Response(status_code=499)  # nobody is listening; the request is cancelled
     timer.observe(first)
     if first.finish_reason == "error":
-        handle.cancel()
-        timer.finish()
         raise _failure(first)
-    renderer = _renderer(kind, body, state, spec.params.n)
+    renderer = _renderer(kind, body, state, n)
     if body.stream:
         return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
     return await _complete(request, renderer, first, outputs, handle, timer)

@@ -15,6 +15,7 @@ from typing import Any, Union
 import attrs
 import cattrs
 from cattrs.cols import list_structure_factory, mapping_structure_factory
+from cattrs.gen import make_dict_structure_fn
 
 from ifb.server.errors import ApiError
 
@@ -253,11 +254,22 @@ def _make_converter() -> cattrs.Converter:
             return hook
         return make
 
+    def attrs_factory(cl: type):
+        inner = make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True)
+        has_default = {f.name for f in attrs.fields(cl) if f.default is not attrs.NOTHING}
+
+        def hook(value: Any, t: Any) -> Any:
+            if isinstance(value, dict):  # many clients send null for "unset": it means the default
+                value = {k: v for k, v in value.items() if v is not None or k not in has_default}
+            return inner(value, t)
+        return hook
+
     list_factory = checked(list_structure_factory, list)
     dict_factory = checked(mapping_structure_factory, dict)
     converter.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_factory)
     converter.register_structure_hook_factory(lambda t: typing.get_origin(t) is dict, dict_factory)
     converter.register_structure_hook_factory(_is_json_union, lambda t: _union_hook(converter, t))
+    converter.register_structure_hook_factory(attrs.has, attrs_factory)
     return converter
 
 

@@ -77,7 +77,8 @@ class HybridConfig:
         if bad:
             raise ValueError(f"unknown layer kind {bad[0]!r} in the layer pattern {self.pattern!r}")
         if self.mamba_num_heads % self.n_groups:
-            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of n_groups ({self.n_groups})")
+            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of "
+                             f"n_groups ({self.n_groups})")
         if ATTENTION in self.pattern and self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                              f"({self.num_kv_heads})")

@@ -24,16 +24,18 @@ import triton.language as tl
 
 from ifb_plugins.mamba.numerics import SOFTPLUS_THRESHOLD
 
+_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
+
 
 @triton.jit
 def _discretize(dt_raw, dt_bias, a, dt_min, dt_max, HAS_LIMIT: tl.constexpr):
     u = dt_raw + dt_bias
-    e = tl.exp(tl.minimum(u, SOFTPLUS_THRESHOLD))
+    e = tl.exp(tl.minimum(u, _THRESHOLD))
     w = 1.0 + e
     d = w - 1.0
     # log1p(e) with Goldberg's correction, as the torch path computes it.
     sp = tl.where(d == 0.0, e, tl.log(w) * (e / tl.where(d == 0.0, 1.0, d)))
-    dt = tl.where(u > SOFTPLUS_THRESHOLD, u, sp)
+    dt = tl.where(u > _THRESHOLD, u, sp)
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     return dt, tl.exp(dt * a)
@@ -96,8 +98,7 @@ def _chunk_scan_kernel(
 
     state_ptrs = state_ptr + seat * s_seat + h * s_head + offs_p[:, None] * s_p + offs_n[None, :]
     state = tl.load(state_ptrs, mask=mask, other=0.0)
-    for t in range(start, end):
-        t64 = t.to(tl.int64)
+    for t64 in range(start, end):  # int64 bounds (cu_seqlens), so the offsets below are int64
         x = tl.load(x_ptr + (t64 * num_heads + h) * head_dim + offs_p, mask=mask_p, other=0.0)
         dt, da = _discretize(tl.load(dt_ptr + t64 * num_heads + h), dt_bias, a, dt_min, dt_max, HAS_LIMIT)
         bv = tl.load(b_ptr + (t64 * num_groups + g) * state_size + offs_n, mask=mask_n, other=0.0)
@@ -153,7 +154,7 @@ def chunk_scan_triton(state: torch.Tensor, seats: Sequence[int], cu_seqlens: Seq
         return y.to(x.dtype)
     common, meta, num_p_blocks = _launch_args(state, xf, Bf, limit)
     seat_ids = torch.as_tensor(list(seats), dtype=torch.int32, device=x.device)
-    cu = torch.as_tensor(list(cu_seqlens), dtype=torch.int32, device=x.device)
+    cu = torch.as_tensor(list(cu_seqlens), dtype=torch.int64, device=x.device)
     _chunk_scan_kernel[(len(seats), num_heads, num_p_blocks)](
         state, seat_ids, cu, xf, dtf, Af, Bf, Cf, Df, biasf, y, *common, **meta)
     return y.to(x.dtype)

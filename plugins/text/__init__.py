@@ -26,7 +26,10 @@ def text_options() -> dict[str, OptionSupport]:
             Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),
         "save_system_prompt_kv_cache": OptionSupport(
             Support.REJECTED, reason="The capture runs only in the founding prefill path.", alternative=BLOCKING),
-        "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason="No guided decoder is built."),
+        "guided_decoding": OptionSupport(
+            Support.RUNS_ALONE,
+            reason="Guided matchers are kept per request and the engine runs a guided request alone.",
+            stall_counter="stalls_guided"),
         "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only."),
         "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason="Text output only."),
         "past_trajectory": OptionSupport(Support.NOT_APPLICABLE, reason="No trajectory execution is built."),

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ifb_plugins.text import triton_kernels
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # tensors inside: identity, not elementwise, comparison
 class AttnMetadata:
     """Where this step's tokens go in the KV cache and what each of them may see."""
 

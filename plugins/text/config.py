@@ -33,10 +33,9 @@ def normalize_rope_scaling(raw: Mapping[str, Any] | None) -> dict[str, Any] | No
     """
     if not raw:
         return None
-    scaling = {k: _freeze(v) for k, v in raw.items() if k != "rope_theta"}
     # Old configs say "type", newer ones "rope_type"; v5 nests the theta in here too.
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
+    scaling = {k: _freeze(v) for k, v in raw.items() if k not in ("rope_theta", "type", "rope_type")}
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
     if rope_type == "default":
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:

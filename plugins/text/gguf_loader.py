@@ -123,7 +123,7 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> TextM
 
 def _tensors_and_config(
     reader: gguf.GGUFReader, meta: dict[str, Any]
-) -> tuple[TextModelConfig, dict[str, GGUFTensor], np.ndarray | None]:
+) -> tuple[TextModelConfig, dict[str, GGUFTensor]]:
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(meta, names)
     out: dict[str, GGUFTensor] = {}
@@ -143,8 +143,9 @@ def _tensors_and_config(
         out[name] = GGUFTensor(gguf_name=t.name, ggml_type=t.tensor_type, shape=shape, data=data)
     if rope_freqs is not None:
         # llama3-style scaling is baked by the converter into per-frequency divisors.
-        config = attrs.evolve(config, rope_scaling={"rope_type": "freq_factors", "factors": tuple(rope_freqs.tolist())})
-    return config, out, rope_freqs
+        factors = tuple(rope_freqs.tolist())
+        config = attrs.evolve(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
+    return config, out
 
 
 def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
@@ -169,6 +170,6 @@ def load_gguf(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tensor
     """
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(reader)
-    config, tensors, _ = _tensors_and_config(reader, meta)
+    config, tensors = _tensors_and_config(reader, meta)
     state_dict = {name: dequantize(t) for name, t in tensors.items()}
     return config, state_dict, meta

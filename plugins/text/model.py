@@ -82,6 +82,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last axis, with a learned per-channel scale."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -97,6 +99,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """GQA self-attention with RoPE (and Qwen3's per-head q/k norm) over the paged cache."""
+
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -127,6 +131,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -139,6 +145,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
         self.self_attn = Attention(config)
@@ -176,7 +184,11 @@ class TextModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32 or inv_freq.is_meta:
+            # A whole-model cast (model.to(torch.bfloat16)) must not round the frequencies.
+            inv_freq = self.inv_freq = rope_inv_freq(self.config).to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -186,12 +198,14 @@ class TextModel(nn.Module):
         positions: torch.Tensor,
         attn: AttnMetadata,
         kv_caches: list[KVCache],
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``.
 
         Writes the step's K/V into ``kv_caches`` (one pair per layer) at ``attn.slot_mapping``.
+        ``input_embeds [T, H]``, when given, replaces the token embeddings (media splicing).
         """
-        x = self.model.embed_tokens(input_ids)  # [T, H]
+        x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
         cos, sin = self._rope(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, kv_cache)

@@ -20,6 +20,7 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput
 from ifb_plugins.text.attention import build_attn_metadata
+from ifb_plugins.text.guided import GUIDED_GRAMMAR, GuidedDecoder
 from ifb_plugins.text.lora import LoraSet
 from ifb_plugins.text.model import TextModel, allocate_kv_cache
 from ifb_plugins.text.sampling import sample
@@ -59,6 +60,7 @@ class TextRuntime:
         # The blocking path's own block bookkeeping persists so captured prefixes survive requests.
         self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
         self.system_prompts = SystemPromptCache(self._blocking_blocks, self)
+        self.guided = GuidedDecoder(tokenizer, self.vocab_size)
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -76,7 +78,8 @@ class TextRuntime:
         if lora and lora not in self.lora.adapters:
             known = ", ".join(sorted(self.lora.adapters)) or "none registered"
             raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        return Prepared(tuple(ids))
+        grammar = self.guided.compile(spec.extras.get("response_format"))
+        return Prepared(tuple(ids), {GUIDED_GRAMMAR: grammar} if grammar is not None else {})
 
     def render_chat(self, messages: list[dict]) -> str:
         for m in messages:
@@ -101,7 +104,7 @@ class TextRuntime:
                                    self.kv_block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, attn, self.kv_caches)  # [T, H]
+        hidden = self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, ids))  # [T, H]
         rows, last = [], -1
         for i, s in enumerate(seqs):
             last += len(s.token_ids)
@@ -111,14 +114,27 @@ class TextRuntime:
         if rows:
             logits = self.model.compute_logits(hidden[[t for _, t in rows]])  # [N, V]
             picked = [seqs[i] for i, _ in rows]
+            guided = [(j, s) for j, s in enumerate(picked) if GUIDED_GRAMMAR in s.extras]
+            if guided:
+                self.guided.mask_logits(logits, guided)
             samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
                              [s.num_prompt_tokens for s in picked])
+            if guided:
+                self.guided.advance([(s, samples[j].token_id) for j, s in guided])
             for (i, _), s, r in zip(rows, picked, samples):
                 results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
         return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
 
+    def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Input embeddings ``[T, H]`` for the step, or None to embed ``input_ids`` as usual.
+
+        Multimodal runtimes override this to splice media embeddings over placeholder tokens.
+        """
+        return None
+
     def release(self, request_id: str, seat: int) -> None:
-        pass  # attention state lives in KV blocks, which the engine frees
+        # attention state lives in KV blocks, which the engine frees; a guided matcher lives here
+        self.guided.release(request_id)
 
     # ---- blocking path ----
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:

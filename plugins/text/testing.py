@@ -1,4 +1,5 @@
-"""Test helpers: tiny random-weight checkpoints in the HF layout, and a greedy loop.
+"""Test helpers: tiny random-weight checkpoints (HF layout, and GGUF the way llama.cpp
+writes it) and a greedy loop over the paged cache.
 
 Plugin tests write a checkpoint with ``save_tiny_checkpoint`` into a temp dir
 and load it through the real loader (DESIGN.md section 8).
@@ -11,9 +12,9 @@ import math
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-import torch
 import gguf
 import numpy as np
+import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -60,18 +61,17 @@ def train_tiny_tokenizer(vocab_size: int = 300) -> Tokenizer:
     return tok
 
 
-def _hf_config(arch: str, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
-               num_heads: int, num_kv_heads: int, head_dim: int, tie: bool,
-               rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _hf_config(
+    arch: str, sizes: dict[str, int], head_dim: int, tie: bool, rope_scaling: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A config.json in the transformers 4.x spelling (5.x reads it too)."""
     cfg: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "architectures": [_HF_CLASSES[arch]],
         "model_type": arch,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
+        **sizes,
         "hidden_act": "silu",
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-5,
@@ -152,13 +152,18 @@ def save_tiny_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     tie = arch != "qwen2" if tie_word_embeddings is None else tie_word_embeddings
     head_dim = hidden_size // num_heads
-    cfg = _hf_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                     num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     tie=tie, rope_scaling=rope_scaling)
+    sizes = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+    }
+    cfg = _hf_config(arch, sizes, head_dim, tie, rope_scaling)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = _random_weights(cfg, head_dim, seed)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
     tok = train_tiny_tokenizer(vocab_size=min(300, vocab_size))
     tok.save(str(directory / "tokenizer.json"))

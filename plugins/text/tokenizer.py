@@ -142,12 +142,11 @@ class TextTokenizer:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()
         # Control tokens must match as whole strings before BPE and vanish on skip_special_tokens.
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL]
-        )
-        tok.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED]
-        )
+        typed = list(zip(tokens, types))
+        control = [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty == _TOKEN_CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == _TOKEN_USER_DEFINED]
+        tok.add_special_tokens(control)
+        tok.add_tokens(user)
 
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:

@@ -1,1 +1,103 @@
-"""The vlm plugin (see docs/plugins.md)."""
+"""The vlm plugin: LLaVA-style image and audio input under in-flight batching.
+
+Vision (SigLIP/ViT-style) and audio (Whisper-style) encoders run at admission,
+in ``prepare``; their projected embeddings replace the prompt's placeholder
+tokens, so a media request joins a running batch like any other. Under a
+visual-token pruner (``visual_token_pruner``: the fraction of visual tokens
+kept) media requests are founder-only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ifb import hookimpl
+from ifb.capabilities import (
+    DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
+)
+from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, text_options
+
+log = logging.getLogger("ifb.vlm")
+
+PRUNER_OPTION = "visual_token_pruner"
+PRUNER_REASON = ("Pruning runs only in the founding prefill; a seated prefill would skip it. "
+                 "Text requests still join the running batch.")
+
+
+def pruner_ratio(config: DeployConfig) -> float | None:
+    """The fraction of visual tokens kept, or None when no pruner is configured (or it keeps them all)."""
+    raw: Any = config.options.get(PRUNER_OPTION)
+    if raw is None:
+        return None
+    try:
+        ratio = float(raw)
+    except (TypeError, ValueError):
+        ratio = float("nan")
+    if not 0.0 < ratio <= 1.0:  # also false for NaN
+        raise ValueError(f"--visual-token-pruner must be the fraction of visual tokens kept, in (0, 1]; got {raw!r}")
+    return None if ratio == 1.0 else ratio
+
+
+def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
+    options = text_options()
+    if pruner_ratio(config) is not None:
+        options["media_under_pruner"] = OptionSupport(
+            Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
+    else:
+        options["media_under_pruner"] = OptionSupport(
+            Support.SERVED, reason="No visual-token pruner is configured: encoders run at admission and media "
+                                   "requests join the running batch. Under --visual-token-pruner they are "
+                                   "founder-only.")
+    return options
+
+
+def declare(config: DeployConfig) -> DeploymentCaps:
+    # Verified by tests/plugins/vlm: batched greedy output of media requests equals their output alone.
+    return DeploymentCaps(
+        stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=vlm_options(config),
+        endpoints=dict(TEXT_ENDPOINTS),
+    )
+
+
+def load(config: DeployConfig):
+    from pathlib import Path
+
+    from ifb_plugins.text.lora import LoraSet
+    from ifb_plugins.vlm.loader import load_vlm_checkpoint
+    from ifb_plugins.vlm.runtime import VlmRuntime
+
+    caps = declare(config)
+    if not config.model:
+        raise ValueError("the vlm plugin has no default model: pass a multimodal checkpoint directory")
+    path = Path(config.model).expanduser()
+    loaded = load_vlm_checkpoint(path)
+    name = config.options.get("served_model_name") or path.name
+    lora = LoraSet(loaded.text_model, dict(config.options.get("lora_adapters") or {}))
+    ratio = pruner_ratio(config)
+    log.info("loaded %s (vision: %s, audio: %s, visual-token pruner: %s)", name,
+             loaded.config.vision is not None, loaded.config.audio is not None,
+             f"keeps {ratio:g}" if ratio is not None else "off")
+    return VlmRuntime(loaded=loaded, caps=caps, config=config, model_name=name, pruner_ratio=ratio, lora=lora)
+
+
+# The pruner variant comes first: ``ifb matrix`` derives the request-level table (whose row is "Media
+# under an active visual-token pruner") and the context-cache row from a kind's first variant.
+VARIANTS = (
+    MatrixVariant("Vision / audio input under a visual-token pruner",
+                  DeployConfig(plugin="vlm", enable_in_flight_batching=True, options={PRUNER_OPTION: 0.5}),
+                  note="Media requests are founder-only: they wait for the batch to drain and found the next "
+                       "one (pruning runs only in the founding prefill); text requests still join."),
+    MatrixVariant("Vision / audio input (multimodal)", DeployConfig(plugin="vlm", enable_in_flight_batching=True),
+                  note="Encoders run at admission; media requests join a running batch like any other."),
+)
+
+
+@hookimpl
+def ifb_deployment_kinds():
+    return [DeploymentKind(
+        name="vlm", plugin="vlm", title="Vision / audio input (multimodal)", declare=declare, load=load,
+        variants=VARIANTS,
+        description="LLaVA-style checkpoint: SigLIP-style vision and Whisper-style audio encoders, "
+                    "projectors and a Llama-family decoder")]

@@ -57,17 +57,38 @@ def running(app) -> Iterator[str]:
         sock.close()
 
 
+def assert_counters_add_up(deployment: Deployment) -> None:
+    """Every submitted request is in exactly one state: ended, queued or resident."""
+    snap = deployment.engine.counters.snapshot()
+    ended = snap["completed"] + snap["cancelled"] + snap["failed"] + snap["refused"]
+    assert snap["submitted"] == ended + snap["queued"] + snap["resident"], snap
+
+
+def settle(deployment: Deployment) -> dict:
+    """Wait until nothing is queued or resident; returns the counters."""
+    counters = deployment.engine.counters
+    wait_for(lambda: counters.snapshot()["queued"] == 0 and counters.snapshot()["resident"] == 0)
+    assert_counters_add_up(deployment)
+    return counters.snapshot()
+
+
 @contextlib.contextmanager
-def served(*, api_key: str | None = None, **deployment_args) -> Iterator[tuple[str, Deployment]]:
+def served(*, api_key: str | None = None, host=None, **deployment_args) -> Iterator[tuple[str, Deployment]]:
     deployment = make_deployment(**deployment_args)
+    gate = deployment.runtime.gate
     try:
-        with running(build_app(deployment, api_key=api_key)) as url:
+        with running(build_app(deployment, api_key=api_key, host=host)) as url:
             yield url, deployment
+            if gate is not None:
+                gate.set()
+            settle(deployment)
     finally:
+        if gate is not None:
+            gate.set()
         deployment.shutdown()
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import gguf
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from ifb_plugins.text.config import TextModelConfig
 from ifb_plugins.text.default_model import ModelResolutionError, resolve_model
 from ifb_plugins.text.gguf_loader import read_gguf_tensors
 from ifb_plugins.text.loader import build_model, load_checkpoint
-from ifb_plugins.text.model import TextModel, allocate_kv_cache
+from ifb_plugins.text.model import TextModel, allocate_kv_cache, rope_inv_freq
 from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 
 LLAMA3_SCALING = {
@@ -125,10 +126,14 @@ def test_config_reads_transformers_v5_rope_parameters() -> None:
         "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
         "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [3, 4],
     }  # fmt: skip
-    v5 = TextModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}})
+    rope_parameters = {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}
+    v5 = TextModelConfig.from_hf_config({**base, "rope_parameters": rope_parameters})
     v4 = TextModelConfig.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}})
     assert v5 == v4 and v5.rope_theta == 5e5 and v5.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert v5.num_kv_heads == 2 and v5.head_dim == 4 and v5.eos_token_ids == (3, 4)
+    # GGUF's per-frequency divisors (rope_freqs.weight) scale like linear when all equal.
+    factors = attrs.evolve(v5, rope_scaling={"rope_type": "freq_factors", "factors": (4.0,) * 2})
+    assert torch.equal(rope_inv_freq(factors), rope_inv_freq(v5))
     with pytest.raises(NotImplementedError, match="yarn"):
         TextModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="not supported"):

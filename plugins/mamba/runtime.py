@@ -1,0 +1,125 @@
+"""The hybrid runtime: the model driven one scheduled step at a time, state held per seat.
+
+Each seat owns one row of every Mamba layer's conv and SSM state. A request
+keeps its seat from admission to release, so joiners prefill in place: a
+prefill chunk continues from the state its previous chunk left, and nothing
+moves when others join or leave. Seats named in ``ScheduledStep.reset_seats``
+are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ifb.blocking import drive_alone
+from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.request import Request
+from ifb.runtime import Prepared, ScheduledStep, SeqOutput, StepOutput
+from ifb_plugins.mamba.layout import build_layout
+from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
+from ifb_plugins.mamba.model import HybridModel, allocate_cache
+from ifb_plugins.text.runtime import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
+from ifb_plugins.text.sampling import sample
+from ifb_plugins.text.tokenizer import TextTokenizer
+
+log = logging.getLogger("ifb.mamba")
+
+
+class HybridRuntime:
+    def __init__(self, *, model: HybridModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
+                 config: DeployConfig, model_name: str):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caps = caps
+        self.model_name = model_name
+        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = min(model.config.max_position_embeddings, limit)
+        self.kv_block_size = KV_BLOCK_SIZE
+        self.num_kv_blocks = -(-kv_capacity_tokens(config, self.max_model_len) // KV_BLOCK_SIZE)
+        self.num_seats = max(1, config.max_batch_size)
+        self.device = next(model.parameters()).device
+        self.cache = allocate_cache(model.config, self.num_seats, self.num_kv_blocks, KV_BLOCK_SIZE, self.device)
+        self.vocab_size = model.config.vocab_size
+
+    # ---- admission ----
+    def prepare(self, spec: RequestSpec) -> Prepared:
+        if spec.params.n > self.num_seats:
+            raise InvalidRequest(f"n={spec.params.n} needs {spec.params.n} state seats; this deployment has "
+                                 f"{self.num_seats} (raise --max-batch-size)")
+        if spec.prompt_token_ids is not None:
+            ids = list(spec.prompt_token_ids)
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        elif spec.messages is not None:
+            ids = self.tokenizer.encode(self._render_chat(list(spec.messages)), add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(spec.prompt or "", add_special_tokens=True)
+        return Prepared(tuple(ids))
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequest("each message needs a role and content")
+            if not isinstance(m.get("content"), (str, type(None))):
+                raise InvalidRequest("this deployment accepts text content only")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own error is the message
+            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+
+    # ---- stepped execution ----
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        self.cache.clear_seats(list(step.reset_seats))
+        seqs = step.seqs
+        bad = [s.seat for s in seqs if not 0 <= s.seat < self.num_seats]
+        if bad:
+            raise ValueError(f"seat {bad[0]} is outside the {self.num_seats} seats this runtime holds state for")
+        layout = build_layout([(s.seat, s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+                              self.kv_block_size, self.device)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, layout, self.cache)  # [T, H]
+        rows, last = [], -1
+        for i, s in enumerate(seqs):
+            last += len(s.token_ids)
+            if s.is_sampling:
+                rows.append((i, last))
+        results: dict[int, SeqOutput] = {}
+        if rows:
+            logits = self.model.compute_logits(hidden[[t for _, t in rows]])  # [N, V]
+            picked = [seqs[i] for i, _ in rows]
+            samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
+                             [s.num_prompt_tokens for s in picked])
+            for (i, _), s, r in zip(rows, picked, samples):
+                results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
+        return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
+
+    def release(self, request_id: str, seat: int) -> None:
+        # KV blocks go back through the engine; the recurrent state lives here and is cleared now.
+        if 0 <= seat < self.num_seats:
+            self.cache.clear_seats([seat])
+
+    def seat_state(self, seat: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of a seat's conv and SSM state, one per Mamba layer (for inspection)."""
+        return ([t[seat].clone() for t in self.cache.conv], [t[seat].clone() for t in self.cache.ssm])
+
+    # ---- blocking path ----
+    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
+        # drive_alone seats the request's sequences on seats 0..n-1 of the same state tensors;
+        # only one path drives a runtime, so they are free.
+        yield from drive_alone(self, request)
+
+
+def load_hybrid_runtime(config: DeployConfig, caps: DeploymentCaps) -> HybridRuntime:
+    loaded = load_hybrid_dir(config.model)
+    device = str(config.options.get("device") or "cpu")
+    model = build_hybrid_model(loaded, device=device)
+    name = config.options.get("served_model_name") or Path(loaded.path).name
+    log.info("loaded %s (pattern %s, hidden %d)", name, loaded.config.pattern, loaded.config.hidden_size)
+    return HybridRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name)

@@ -1,0 +1,78 @@
+"""What the mamba plugin declares, and how the gate, the engine and the matrix act on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ifb import LLM
+from ifb.capabilities import DeployConfig, Support
+from ifb.cli import main
+from ifb.engine import RequestRejected
+from ifb.gate import UnsupportedDeployment, check_deployment
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams
+from ifb_plugins.mamba import declare
+
+IFB = DeployConfig(plugin="mamba", enable_in_flight_batching=True, max_batch_size=4)
+
+
+def test_declaration_is_stepped_seated_per_sequence_and_verified_on_cpu():
+    caps = declare(IFB)
+    assert caps.stepped_execution and caps.seated_admission
+    assert caps.batch_invariant_verified  # tests/plugins/mamba/test_batch_invariance.py holds it
+    assert caps.options["differing_sampling"].support is Support.SERVED
+    assert caps.options["n_sequences"].support is Support.REJECTED
+    for name in ("lora", "save_system_prompt_kv_cache", "guided_decoding", "media_under_pruner",
+                 "generate_audio", "past_trajectory"):
+        assert caps.options[name].support is Support.NOT_APPLICABLE, name
+    # Not proven on CUDA: the declaration says so rather than promise it.
+    assert not declare(DeployConfig(plugin="mamba", options={"device": "cuda"})).batch_invariant_verified
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_context_reuse_is_refused_at_start_up_with_the_reason(in_flight):
+    config = DeployConfig(plugin="mamba", enable_in_flight_batching=in_flight, enable_context_reuse=True)
+    with pytest.raises(UnsupportedDeployment, match="--enable-context-reuse is not supported.*recurrent"):
+        check_deployment(declare(config), config)
+
+
+def test_context_reuse_is_refused_before_loading_weights(tmp_path):
+    # tmp_path holds no checkpoint: the refusal must come first, from the declaration.
+    with pytest.raises(UnsupportedDeployment, match="recurrent"):
+        LLM(model=str(tmp_path), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True)
+
+
+def test_matrix_lists_the_deployment_as_served():
+    data = json.loads(CliRunner().invoke(main, ["matrix", "--format", "json"]).output)
+    rows = {r["deployment"]: r for r in data["deployments"] if r["plugin"] == "mamba"}
+    assert rows.pop("Hybrid Mamba (Nemotron-H)")["status"] == "served"
+    for row in rows.values():  # with the context cache installed: a prefix-reuse row, refused
+        assert "context cache" in row["deployment"] and row["status"] == "rejected"
+        assert "recurrent" in row["note"]
+    requests = {r["option"]: r["status"] for r in data["requests"] if r["plugin"] == "mamba"}
+    assert requests["Sampling parameters that differ from the resident batch"] == "served"
+    assert requests["Per-request LoRA"] == "n/a"
+
+
+def test_requests_the_engine_refuses_name_the_reason(hybrid_dir):
+    with LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=2) as llm:
+        with pytest.raises(RequestRejected, match="not supported under in-flight batching.*blocking path"):
+            llm.engine.submit(RequestSpec(prompt="hi", params=SamplingParams(n=2)))
+        with pytest.raises(RequestRejected, match="not supported by this deployment.*No LoRA"):
+            llm.engine.submit(RequestSpec(prompt="hi", extras={"lora": "x"}))
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            llm.engine.submit(RequestSpec(prompt_token_ids=(1, 5000)))
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert out.num_output_tokens == 4 and out.finish_reason == "length"
+
+
+def test_blocking_path_serves_n_sequences_up_to_the_seats(hybrid_dir):
+    with LLM(model=str(hybrid_dir), plugin="mamba", max_batch_size=2) as llm:
+        outputs = list(llm.engine.submit(RequestSpec(prompt="The quick brown fox", params=SamplingParams(
+            n=2, seed=5, max_tokens=3, ignore_eos=True))))
+        assert {o.index for o in outputs} == {0, 1} and outputs[-1].finished
+        with pytest.raises(InvalidRequest, match="n=3 needs 3 state seats; this deployment has 2"):
+            llm.engine.submit(RequestSpec(prompt="hi", params=SamplingParams(n=3)))

@@ -1,0 +1,222 @@
+"""Guided decoding in the text runtime, on a tiny random-weight checkpoint through the real engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from ifb import LLM, SamplingParams
+from ifb.engine import check_options
+from ifb.options import BUILTIN_OPTIONS
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.runtime import ScheduledSeq
+from ifb_plugins.text import text_options
+from ifb_plugins.text.guided import GUIDED_GRAMMAR, GuidedDecoder
+from ifb_plugins.text.testing import save_tiny_checkpoint
+from ifb_plugins.text.tokenizer import TextTokenizer
+
+CODE = r"[0-9]{3}-[a-z]{2,5}"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+def regex(pattern: str) -> dict:
+    return {"type": "regex", "regex": pattern}
+
+
+def person_errors(value) -> list[str]:
+    """PERSON's constraints checked by hand."""
+    if not isinstance(value, dict):
+        return ["not an object"]
+    errors = [] if set(value) == {"name", "age", "role"} else [f"keys {sorted(value)}"]
+    name, age = value.get("name"), value.get("age")
+    if not (isinstance(name, str) and len(name) <= 12):
+        errors.append(f"name {name!r}")
+    if not (isinstance(age, int) and not isinstance(age, bool) and 0 <= age <= 120):
+        errors.append(f"age {age!r}")
+    if value.get("role") not in ("admin", "user"):
+        errors.append(f"role {value.get('role')!r}")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("guided"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    model = LLM(str(checkpoint), enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
+    yield model
+    model.close()
+
+
+def submit(llm, ids, params, request_id=None, **extras):
+    spec = RequestSpec(prompt_token_ids=tuple(ids), params=params, extras=extras, request_id=request_id)
+    return llm.engine.submit(spec, wait=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_regex_output_matches_the_regex(llm, seed):
+    # Random weights rarely end on their own: the forced EOS ends each output once the regex is complete.
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30)
+    out = llm.generate("Code:", params, response_format=regex(CODE))[0]
+    assert re.fullmatch(CODE, out.text), out.text
+    assert out.finish_reason == "stop"
+
+
+def test_json_schema_output_parses_and_validates(llm):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        out = llm.generate("Person:", SamplingParams(temperature=1.0, seed=seed, max_tokens=80),
+                           response_format=fmt)[0]
+        assert out.finish_reason == "stop", out.text
+        assert person_errors(json.loads(out.text)) == [], out.text
+
+
+def test_json_object_through_chat_is_an_object(llm):
+    out = llm.chat([{"role": "user", "content": "Answer in JSON."}],
+                   SamplingParams(temperature=1.0, seed=7, max_tokens=60), response_format={"type": "json_object"})
+    if out.finish_reason == "stop":  # a random model may still be inside a string at max_tokens
+        assert isinstance(json.loads(out.text), dict), out.text
+    assert out.text.startswith("{")
+
+
+@pytest.mark.parametrize("grammar", ['start: "yes" | "no" | "maybe"', 'root ::= "yes" | "no" | "maybe"'],
+                         ids=["lark", "gbnf"])
+def test_grammar_output_is_in_the_language(llm, grammar):
+    texts = {llm.generate("Q:", SamplingParams(temperature=1.0, seed=s, max_tokens=10),
+                          response_format={"type": "grammar", "grammar": grammar})[0].text for s in range(4)}
+    assert texts <= {"yes", "no", "maybe"}, texts
+
+
+@pytest.mark.parametrize(("fmt", "reason"), [
+    (regex("(ab"), "unclosed group"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}, "wat"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}}, "JSON Schema object"),
+    ({"type": "json_schema"}, "needs a json_schema object"),
+    ({"type": "grammar", "grammar": "start: undefined_rule"}, "undefined_rule"),
+    ({"type": "regex"}, "non-empty string 'regex'"),
+    ({"type": "yaml"}, "unknown response_format type 'yaml'"),
+    ("json", "must be an object with a type"),
+])
+def test_invalid_formats_are_refused_at_submit(llm, fmt, reason):
+    with pytest.raises(InvalidRequest, match=re.escape(reason)):
+        submit(llm, [5, 6, 7], SamplingParams(max_tokens=4), response_format=fmt)
+
+
+def test_text_format_is_unguided():
+    support = {o.name: text_options().get(o.name, o.default) for o in BUILTIN_OPTIONS}
+
+    def runs_alone(fmt):
+        spec = RequestSpec(prompt="hi", extras={"response_format": fmt})
+        return check_options(list(BUILTIN_OPTIONS), support, spec, in_flight=True)[1]
+
+    assert not runs_alone({"type": "text"})
+    assert runs_alone({"type": "json_object"}) and runs_alone(regex("a+"))
+
+
+def test_text_format_has_no_matcher(llm):
+    prepared = llm.deployment.runtime.prepare(RequestSpec(prompt="hi", extras={"response_format": {"type": "text"}}))
+    assert GUIDED_GRAMMAR not in prepared.extras
+
+
+def test_guided_request_waits_for_the_batch_then_runs_alone(llm, monkeypatch):
+    engine, runtime = llm.engine, llm.deployment.runtime
+    runtime.guided.compile(regex("a"))  # build the guided vocabulary before timing matters
+    log = []  # per step: the requests in it, the queue, and why each queued request waits
+    execute = runtime.execute
+
+    def recording(step):
+        log.append(([s.request_id for s in step.seqs], [r.request_id for r in engine.scheduler.waiting],
+                    dict(engine.scheduler.exclusions)))
+        return execute(step)
+
+    monkeypatch.setattr(runtime, "execute", recording)
+    before = dict(llm.health()["scheduling"])
+    plain = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    first = submit(llm, [5, 6, 7, 8], plain, request_id="alone-A")
+    deadline = time.monotonic() + 30
+    while sum("alone-A" in ids for ids, _, _ in log) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    guided = submit(llm, [9, 10, 11], SamplingParams(temperature=1.0, seed=1, max_tokens=30), "alone-G",
+                    response_format=regex(CODE))
+    later = submit(llm, [12, 13], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), "alone-P")
+    results = [h.result() for h in (first, guided, later)]
+    assert re.fullmatch(CODE, results[1].text)
+
+    def steps_of(rid):
+        return [i for i, (ids, _, _) in enumerate(log) if rid in ids]
+
+    a_steps, g_steps, p_steps = steps_of("alone-A"), steps_of("alone-G"), steps_of("alone-P")
+    assert all(log[i][0] == ["alone-G"] for i in g_steps), "the guided request ran with company"
+    assert min(g_steps) > max(a_steps), "the guided request joined the running batch"
+    assert min(p_steps) > max(g_steps), "a later request joined the guided request's batch"
+    waited = [i for i in a_steps if "alone-G" in log[i][1]]
+    assert waited, "the guided request did not arrive while the batch ran"
+    for i in waited:
+        assert log[i][2]["alone-G"] == "stalls_guided"
+    for i in g_steps:
+        if "alone-P" in log[i][1]:
+            assert log[i][2]["alone-P"] == "stalls_guided"
+    # one stall per boundary at which the queue head could not join
+    num_stalled = sum(1 for _, waiting, _ in log if waiting)
+    after = llm.health()["scheduling"]
+    assert after["stalls_guided"] - before["stalls_guided"] == num_stalled
+    assert after["stalls_incompatible"] == before["stalls_incompatible"]
+    assert runtime.guided.matchers == {}
+
+
+def test_cancelled_guided_request_drops_its_matcher(llm):
+    handle = submit(llm, [5, 6], SamplingParams(temperature=1.0, seed=2, max_tokens=200),
+                    response_format=regex("[a-z]{150}"))
+    next(iter(handle))  # the first token: the matcher exists
+    handle.cancel()
+    assert handle.result().finish_reason == "cancelled"
+    deadline = time.monotonic() + 10
+    while llm.deployment.runtime.guided.matchers and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert llm.deployment.runtime.guided.matchers == {}
+
+
+def test_blocking_path_guides_every_sequence(checkpoint):
+    # n = 2 runs two guided sequences in one private batch: two matchers, one per row
+    with LLM(str(checkpoint)) as blocking:
+        spec = RequestSpec(prompt="Code:", params=SamplingParams(temperature=1.0, seed=5, max_tokens=30, n=2),
+                           extras={"response_format": regex(CODE)})
+        texts = ["", ""]
+        for out in blocking.engine.submit(spec, wait=True):
+            texts[out.index] += out.text
+        assert all(re.fullmatch(CODE, t) for t in texts), texts
+        assert blocking.deployment.runtime.guided.matchers == {}
+
+
+def test_numpy_and_torch_masks_agree(checkpoint):
+    tokenizer = TextTokenizer.from_hf_dir(checkpoint)
+    decoder = GuidedDecoder(tokenizer, 320)
+    grammar = decoder.compile({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    history = (5, 6) + tuple(tokenizer.encode('{"name": "Al', add_special_tokens=False))
+    masked = []
+    for dtype in (torch.float32, torch.float64):  # the in-place numpy path, then torch's masked_fill_
+        seq = ScheduledSeq(request_id=f"r-{dtype}", seat=0, token_ids=history[-1:], start_pos=len(history) - 1,
+                           block_ids=(), is_sampling=True, params=SamplingParams(), num_prompt_tokens=2,
+                           all_token_ids=history, extras={GUIDED_GRAMMAR: grammar})
+        logits = torch.zeros(1, 320, dtype=dtype)
+        decoder.mask_logits(logits, [(0, seq)])
+        masked.append(torch.isinf(logits[0]))
+    assert torch.equal(masked[0], masked[1])
+    allowed = [tokenizer.token_to_bytes(i) for i in (~masked[0]).nonzero().flatten().tolist()]
+    assert b'"' in allowed and 0 < len(allowed) < 320  # inside a string: text or its closing quote
+    assert tokenizer.eos_token_ids[0] < 320 and bool(masked[0][tokenizer.eos_token_ids[0]])
