@@ -170,6 +170,10 @@ class RequestEngine:
             self._cv.notify_all()
         return request.handle
 
+    def is_full(self) -> bool:
+        """Whether a submit now would be refused for back-pressure."""
+        return self._in_system() >= self.max_in_system
+
     def _in_system(self) -> int:
         with self.counters.lock:
             return self._in_system_locked()

@@ -9,6 +9,7 @@ scheduler never touches a model: it exchanges frozen steps and outputs.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from typing import Callable, Protocol
 
@@ -17,6 +18,8 @@ from ifb.kv import BlockManager
 from ifb.outputs import RequestOutput, TokenLogprob
 from ifb.request import Request, Status
 from ifb.runtime import ScheduledSeq, ScheduledStep, StepOutput, Tokenizer
+
+log = logging.getLogger("ifb.scheduler")
 
 
 class PrefixMatcher(Protocol):
@@ -259,7 +262,10 @@ class Scheduler:
             self._free_seats.append(r.seat)
             if self.prefix is not None:
                 self.prefix.forget(r)
-            self.release(r)
+            try:
+                self.release(r)
+            except Exception:  # noqa: BLE001 - the request still gets its final output
+                log.exception("runtime release failed for %s", r.request_id)
         else:
             self.waiting.remove(r)
         terminal = {"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")

@@ -133,18 +133,18 @@ async def _send(client: httpx.AsyncClient, target: Target, model: str, planned: 
                 now = time.perf_counter() - origin
                 try:
                     chunk = json.loads(data)
-                except json.JSONDecodeError:
-                    result.error = "stream error: malformed JSON"
+                    if chunk.get("error"):
+                        error = chunk["error"]
+                        result.error = f"stream error: {error.get('message') if isinstance(error, dict) else error}"
+                        break
+                    if _chunk_text(chunk, target.endpoint):
+                        result.chunk_times.append(now)
+                    usage = chunk.get("usage")
+                    if usage and usage.get("completion_tokens") is not None:
+                        result.usage_tokens = int(usage["completion_tokens"])
+                except (ValueError, TypeError, AttributeError):  # not JSON, or not shaped like a chunk
+                    result.error = "stream error: malformed chunk"
                     break
-                if chunk.get("error"):
-                    message = chunk["error"].get("message") if isinstance(chunk["error"], dict) else chunk["error"]
-                    result.error = f"stream error: {message}"
-                    break
-                if _chunk_text(chunk, target.endpoint):
-                    result.chunk_times.append(now)
-                usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    result.usage_tokens = int(usage["completion_tokens"])
             else:
                 if result.error is None:
                     result.error = "stream ended without [DONE]"

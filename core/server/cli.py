@@ -65,12 +65,22 @@ def _setup_logging(level: str) -> None:
 @click.option("--api-key", envvar="IFB_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health (or set IFB_API_KEY).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--warmup-prompt", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A system prompt file to prefill and publish before serving (needs --enable-context-reuse).")
+@click.option("--visual-token-pruner", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              metavar="RATIO", help="(vlm) Keep this fraction of the visual tokens; media requests become founder-only.")
+@click.option("--allowed-local-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="(vlm) A directory whose files image/audio URLs may name; local files are refused otherwise.")
+@click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="(text) auto: run a GGUF's 4-bit weights packed; none: dequantize to fp32.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
+          warmup_prompt: Path | None = None, visual_token_pruner: float | None = None,
+          allowed_local_media_path: Path | None = None, quantization: str = "auto",
           static_batching: bool = False) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
@@ -88,6 +98,16 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         options["lora_adapters"] = adapters
     if served_model_name:
         options["served_model_name"] = served_model_name
+    if warmup_prompt is not None:
+        if not enable_context_reuse:
+            raise click.UsageError("--warmup-prompt publishes a prefix in the context cache: add --enable-context-reuse")
+        options["warmup_prompt"] = warmup_prompt.read_text()
+    if visual_token_pruner is not None:
+        options["visual_token_pruner"] = visual_token_pruner
+    if allowed_local_media_path is not None:
+        options["allowed_local_media_path"] = str(allowed_local_media_path.resolve())
+    if quantization != "auto":
+        options["quantization"] = quantization
     fields = dict(
         model=model, plugin=plugin, max_batch_size=max_batch_size,
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,

@@ -72,8 +72,14 @@ def _response_format(fmt: ResponseFormat | None) -> dict | None:
                            param="response_format.json_schema")
         schema = {k: v for k, v in converter.unstructure(fmt.json_schema).items() if v is not None}
         return {"type": "json_schema", "json_schema": schema}
-    raise ApiError(400, f"unknown response_format type {fmt.type!r} (text, json_object or json_schema)",
-                   param="response_format.type")
+    if fmt.type in ("regex", "grammar"):
+        value = getattr(fmt, fmt.type)
+        if not isinstance(value, str) or not value:
+            raise ApiError(400, f"response_format of type {fmt.type} needs a non-empty {fmt.type} string",
+                           param=f"response_format.{fmt.type}")
+        return {"type": fmt.type, fmt.type: value}
+    raise ApiError(400, f"unknown response_format type {fmt.type!r} "
+                        "(text, json_object, json_schema, regex or grammar)", param="response_format.type")
 
 
 def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestSpec:

@@ -24,7 +24,7 @@ from ifb.outputs import RequestHandle, RequestOutput
 from ifb.server.convert import chat_spec, completion_spec
 from ifb.server.errors import ApiError
 from ifb.server.metrics import RequestTimer
-from ifb.server.render import ChatRenderer, Collected, CompletionRenderer, _Renderer
+from ifb.server.render import ChatRenderer, Collected, CompletionRenderer, Renderer
 from ifb.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from ifb.server.state import AppState
 
@@ -100,7 +100,7 @@ class EventStream(StreamingResponse):
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 group.cancel_scope.cancel()
-        except OSError:  # the client went away mid-send
+        except* OSError:  # the client went away mid-send (servers speaking ASGI 2.4 raise)
             pass
         finally:
             if not self._handle.done.is_set():
@@ -123,7 +123,7 @@ COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, complet
 CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, chat_spec, "chatcmpl")
 
 
-def _renderer(kind: _Kind, body: Any, state: AppState, n: int) -> _Renderer:
+def _renderer(kind: _Kind, body: Any, state: AppState, n: int) -> Renderer:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, state.created)
     if kind is CHAT:
@@ -167,7 +167,7 @@ async def _answer(request: Request, kind: _Kind, body: Any, state: AppState, han
     return await _complete(request, renderer, first, outputs, handle, timer)
 
 
-async def _complete(request: Request, renderer: _Renderer, first: RequestOutput,
+async def _complete(request: Request, renderer: Renderer, first: RequestOutput,
                     outputs: AsyncIterator[RequestOutput], handle: RequestHandle,
                     timer: RequestTimer) -> Response:
     collected = Collected()
@@ -190,7 +190,7 @@ async def _complete(request: Request, renderer: _Renderer, first: RequestOutput,
     return JSONResponse(renderer.full(collected))
 
 
-async def _stream(renderer: _Renderer, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
                   handle: RequestHandle, timer: RequestTimer) -> AsyncGenerator[bytes, None]:
     collected = Collected()
     try:
@@ -227,10 +227,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     state = app_state(request)
-    served = [name for name in ("completions", "chat.completions", "audio.speech", "embeddings")
-              if state.serves_endpoint(name)]
-    served += [name for name in state.deployment.caps.endpoints if name not in served
-               and state.serves_endpoint(name)]
+    declared = state.deployment.caps.endpoints or ("completions", "chat.completions")
+    served = [name for name in declared if state.serves_endpoint(name)]
     capabilities = {
         "in_flight_batching": state.is_in_flight,
         "max_num_seqs": state.deployment.config.max_batch_size if state.is_in_flight else 1,

@@ -56,7 +56,7 @@ def _finish_reason(reason: str | None) -> str | None:
     return {"cancelled": "abort"}.get(reason, reason) if reason else None
 
 
-class _Renderer:
+class Renderer:
     """Shared envelope: id, object, created, model."""
 
     object_full = ""
@@ -95,7 +95,7 @@ class _Renderer:
         raise NotImplementedError
 
 
-class CompletionRenderer(_Renderer):
+class CompletionRenderer(Renderer):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
@@ -151,7 +151,7 @@ def chat_logprobs(lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[st
     return {"content": content, "refusal": None}
 
 
-class ChatRenderer(_Renderer):
+class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 

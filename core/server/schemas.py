@@ -40,8 +40,10 @@ class JsonSchema:
 
 @attrs.frozen
 class ResponseFormat:
-    type: str  # text | json_object | json_schema
+    type: str  # text | json_object | json_schema | regex | grammar (the last two are ifb extensions)
     json_schema: JsonSchema | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
 
 @attrs.frozen
@@ -305,7 +307,7 @@ def structure(data: Any, cls: type) -> Any:
     except Exception as exc:  # noqa: BLE001 - every structuring failure is the client's
         messages = cattrs.transform_error(exc, path="$", format_exception=_format) \
             if isinstance(exc, cattrs.BaseValidationError) else [f"{_format(exc, cls)} @ $"]
-        first, _, where = messages[0].rpartition(" @ ")
+        where = messages[0].rpartition(" @ ")[2]
         param = _field_of(where)
         parts = []
         for message in messages:

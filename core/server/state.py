@@ -114,7 +114,14 @@ class AppState:
 
     # ---- submission ----
     async def submit(self, spec: RequestSpec) -> RequestHandle:
-        """Queue ``spec`` (tokenization runs in a worker thread); engine refusals become ApiErrors."""
+        """Queue ``spec`` (tokenization runs in a worker thread); engine refusals become ApiErrors.
+
+        Under in-flight batching the HTTP gate answers 429 before the engine is
+        asked, so the engine's own ``refused`` counter stays at zero (as the spec's
+        /health shows); it counts only requests that slip past in a race.
+        """
+        if self.is_in_flight and self.engine.is_full():
+            raise ApiError(429, "the engine is full (batch and queue); retry later", code="engine_full")
         try:
             return await run_in_threadpool(self.engine.submit, spec)
         except InvalidRequest as exc:

@@ -165,7 +165,11 @@ class OmniRuntime(TextRuntime):
         """Speak the reply, conditioned on its tokens and the Thinker's hidden states in context."""
         assert self.speaker is not None
         ids = self.tokenizer.encode(transcript, add_special_tokens=False)
-        hidden = self.thinker_hidden([*prompt_ids, *ids])[len(prompt_ids):] if ids else None
+        # Re-tokenizing the reply may not give back exactly the generated ids: keep the context within
+        # the KV cache by dropping the oldest prompt tokens if it would not fit.
+        room = max(0, self.num_kv_blocks * self.kv_block_size - len(ids))
+        context = list(prompt_ids)[max(0, len(prompt_ids) - room):]
+        hidden = self.thinker_hidden([*context, *ids])[len(context):] if ids else None
         return self.speaker.speak(ids, settings, thinker_hidden=hidden, seed=seed).extras(transcript)
 
     @torch.inference_mode()

@@ -110,9 +110,9 @@ def grammar_for(response_format: Any) -> GuidedGrammar | None:
             text = llguidance.grammar_from("grammar", _text_field(response_format, "grammar"))
         else:
             raise InvalidRequest(f"unknown response_format type {kind!r} ({', '.join(_KINDS)})")
-    except (ValueError, TypeError) as exc:
-        if isinstance(exc, InvalidRequest):
-            raise
+    except InvalidRequest:
+        raise
+    except (ValueError, TypeError) as exc:  # the library's own reason, e.g. a schema that is not JSON
         raise InvalidRequest(f"invalid response_format ({kind}): {exc}") from exc
     return GuidedGrammar(kind=kind, grammar=text)
 
@@ -125,11 +125,17 @@ class _Vocabulary:
         known = tokenizer.vocab_size
         # Ids past the tokenizer's vocabulary (a model's padded output rows) stand for no bytes,
         # so the grammar never allows them.
-        self.tokens = [tokenizer.token_to_bytes(i) if i < known else b"" for i in range(num_tokens)]
+        self.tokens = [self._bytes_of(i) if i < known else b"" for i in range(num_tokens)]
         added = tokenizer.tokenizer.get_added_tokens_decoder()
         self.special_token_ids = sorted(i for i, token in added.items() if token.special and i < num_tokens)
         self.eos_token_id = tokenizer.eos_token_ids[0]
         self.bos_token_id = tokenizer.bos_token_id
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        try:
+            return self._tokenizer.token_to_bytes(token_id)
+        except KeyError:  # a byte-level vocabulary entry outside the byte alphabet: take its text
+            return (self._tokenizer.id_to_token(token_id) or "").encode("utf-8")
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):

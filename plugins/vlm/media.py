@@ -47,7 +47,14 @@ def _b64decode(text: str, where: str) -> bytes:
         raise InvalidRequest(f"{where} is not valid base64") from None
 
 
-def _read_local(path: Path, where: str) -> bytes:
+def _read_local(path: Path, where: str, allowed_dir: Path | None) -> bytes:
+    # A client naming server files is only allowed inside a directory the operator chose.
+    if allowed_dir is None:
+        raise InvalidRequest(f"{where}: local files are not allowed; send the media inline as a data: URL "
+                             "(or start the server with --allowed-local-media-path DIR)")
+    path = path.resolve()
+    if not path.is_relative_to(allowed_dir.resolve()):
+        raise InvalidRequest(f"{where}: local files must be under the allowed media directory")
     if not path.is_file():
         raise InvalidRequest(f"{where}: no such file on the server: {path}")
     if path.stat().st_size > MAX_MEDIA_BYTES:
@@ -58,7 +65,7 @@ def _read_local(path: Path, where: str) -> bytes:
         raise InvalidRequest(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
 
 
-def fetch_image_bytes(url: str, where: str) -> bytes:
+def fetch_image_bytes(url: str, where: str, allowed_dir: Path | None = None) -> bytes:
     """The bytes an ``image_url`` names: a base64 ``data:`` URL, a ``file://`` URL or a local path."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where} needs a non-empty url")
@@ -75,10 +82,10 @@ def fetch_image_bytes(url: str, where: str) -> bytes:
         parsed = urllib.parse.urlparse(url)
         if parsed.netloc not in ("", "localhost"):
             raise InvalidRequest(f"{where}: file URLs must name a local file (file:///path)")
-        return _read_local(Path(urllib.parse.unquote(parsed.path)), where)
+        return _read_local(Path(urllib.parse.unquote(parsed.path)), where, allowed_dir)
     if len(scheme) > 1:  # "c:" would be a Windows drive, anything longer a scheme we do not fetch
         raise InvalidRequest(f"{where}: unsupported URL scheme {scheme!r} (data, file or a local path)")
-    return _read_local(Path(url).expanduser(), where)
+    return _read_local(Path(url).expanduser(), where, allowed_dir)
 
 
 def decode_image(raw: bytes, where: str, size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
@@ -148,7 +155,8 @@ class ParsedMessages:
 
 
 def parse_messages(messages: tuple[dict, ...], *, placeholders: dict[str, str], image_size: int | None,
-                   image_mean: tuple[float, ...], image_std: tuple[float, ...], sampling_rate: int) -> ParsedMessages:
+                   image_mean: tuple[float, ...], image_std: tuple[float, ...], sampling_rate: int,
+                   allowed_dir: Path | None = None) -> ParsedMessages:
     """Turn content-part lists into strings with one placeholder per media part, decoding the media.
 
     ``placeholders`` maps "image" / "audio" to the placeholder token text for
@@ -181,18 +189,20 @@ def parse_messages(messages: tuple[dict, ...], *, placeholders: dict[str, str], 
                 raise InvalidRequest(f"{where}: this model takes no {modality} input")
             if len(media) >= MAX_MEDIA_ITEMS:
                 raise InvalidRequest(f"at most {MAX_MEDIA_ITEMS} images and audio clips are allowed per request")
-            media.append(_decode_part(part, kind, where, image_size, image_mean, image_std, sampling_rate))
+            media.append(_decode_part(part, kind, where, image_size, image_mean, image_std, sampling_rate,
+                                      allowed_dir))
             pieces.append(placeholders[modality])
         out.append({**message, "content": "\n".join(pieces)})
     return ParsedMessages(tuple(out), tuple(media))
 
 
 def _decode_part(part: dict[str, Any], kind: str, where: str, image_size: int | None,
-                 mean: tuple[float, ...], std: tuple[float, ...], sampling_rate: int) -> MediaItem:
+                 mean: tuple[float, ...], std: tuple[float, ...], sampling_rate: int,
+                 allowed_dir: Path | None = None) -> MediaItem:
     if kind == "image_url":
         ref = part.get("image_url")
         url = ref.get("url") if isinstance(ref, dict) else ref
-        raw = fetch_image_bytes(url, f"{where}.image_url")
+        raw = fetch_image_bytes(url, f"{where}.image_url", allowed_dir)
         pixels = decode_image(raw, f"{where}.image_url", image_size or 0, mean, std)
         return MediaItem("image", hashlib.blake2b(raw, digest_size=16).digest(), pixels)
     audio = part.get("input_audio")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterator
 
+from pathlib import Path
+
 import attrs
 import torch
 
@@ -43,6 +45,8 @@ class VlmRuntime(TextRuntime):
         self.placeholder_ids = {kind: tid for kind, tid in (("image", loaded.config.image_token_id),
                                                             ("audio", loaded.config.audio_token_id)) if tid is not None}
         self.pruner_ratio = pruner_ratio
+        allowed = config.options.get("allowed_local_media_path")
+        self.allowed_media_dir = Path(allowed) if allowed else None
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -52,7 +56,8 @@ class VlmRuntime(TextRuntime):
             vision = self.vlm_config.vision
             parsed = parse_messages(
                 spec.messages, placeholders=self.placeholders, image_size=vision.image_size if vision else None,
-                image_mean=pre.image_mean, image_std=pre.image_std, sampling_rate=pre.sampling_rate)
+                image_mean=pre.image_mean, image_std=pre.image_std, sampling_rate=pre.sampling_rate,
+                allowed_dir=self.allowed_media_dir)
             media = parsed.media
             spec = attrs.evolve(spec, messages=parsed.messages)
         prepared = super().prepare(spec)

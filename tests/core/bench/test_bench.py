@@ -39,6 +39,8 @@ class FakeOpenAI:
     num_rejects: int = 0
     chunk_sleep: float = 0.002
     api_key: str | None = None
+    #: after this many chunks, send an error event instead of the rest
+    fail_after: int | None = None
     bodies: list[dict] = attrs.field(factory=list)
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
@@ -69,6 +71,9 @@ class FakeOpenAI:
                 yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(self.chunk_sleep)
+                if i == self.fail_after:
+                    yield _sse({"error": {"message": "boom", "type": "server_error"}})
+                    return
                 piece = {"delta": {"content": f" w{i}"}} if is_chat else {"text": f" w{i}"}
                 yield _sse({"choices": [{"index": 0, **piece, "finish_reason": None}]})
             if include_usage:
@@ -252,6 +257,15 @@ def test_open_loop_chat_with_api_key(fake):
     assert all(b["model"] == "chosen" and "ignore_eos" not in b and "messages" in b for b in server.bodies)
     sends = [r.send_time for r in record.results]
     assert sends == sorted(sends)
+
+
+def test_error_event_in_stream_counts_as_error(fake):
+    server, url = fake
+    server.fail_after = 2
+    record = run(Target(url), small(num_requests=3), progress=False)
+    assert [r.error for r in record.results] == ["stream error: boom"] * 3
+    assert all(r.status == 200 and len(r.chunk_times) == 2 for r in record.results)
+    assert summarize(record)["errors"] == {"stream error: boom": 3}
 
 
 def test_unreachable_server_is_reported_per_request():

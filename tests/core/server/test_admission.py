@@ -43,7 +43,8 @@ def test_full_engine_refuses_at_once_under_the_flag():
             gate.set()
             assert [f.result().status_code for f in held] == [200] * 4
         snap = settle(deployment)
-    assert snap["refused"] == 1 and snap["completed"] == 4
+    # the HTTP gate answered 429 before the engine was asked: the engine's refused stays 0 (spec)
+    assert snap["refused"] == 0 and snap["submitted"] == 4 and snap["completed"] == 4
 
 
 def test_default_path_queue_overflow_is_429():
@@ -187,3 +188,35 @@ def test_tokenization_runs_off_the_event_loop():
             assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
             slow.proceed.set()
             assert pending.result().status_code == 200
+
+
+def test_a_failed_send_cancels_the_stream():
+    """Servers speaking ASGI 2.4 raise OSError on a send to a client that left."""
+    import anyio
+
+    from ifb.outputs import RequestHandle
+    from ifb.server.openai_routes import EventStream
+
+    handle = RequestHandle("r")
+    closed = []
+
+    async def events():
+        try:
+            while True:
+                yield b"data: {}\n\n"
+        finally:
+            closed.append(True)
+
+    async def receive():
+        await anyio.sleep_forever()
+
+    sent = []
+
+    async def send(message):
+        if len(sent) == 2:
+            raise OSError("connection reset")
+        sent.append(message)
+
+    anyio.run(EventStream(events(), handle), {"type": "http"}, receive, send)
+    assert handle.cancelled.is_set() and closed == [True]
+    assert sent[0]["type"] == "http.response.start"

@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ifb.capabilities import OptionSupport, Support
+from ifb.capabilities import EndpointSupport, OptionSupport, Support
 
 from tests.core.fakes import FakeRuntime, FakeTokenizer, next_token, text_caps
 from tests.core.server.conftest import ENDPOINTS, served, settle
@@ -255,3 +255,23 @@ def test_option_the_deployment_lacks_is_refused_on_every_path():
     with served(in_flight=False, runtime=FakeRuntime(caps=caps)) as (url, _):
         with pytest.raises(openai.BadRequestError, match="No forks here"):
             oai(url).completions.create(model="fake", prompt="x", n=2)
+
+
+def test_undeclared_endpoints_default_to_completions_and_chat():
+    with served(runtime=FakeRuntime()) as (url, _):
+        caps = httpx.get(f"{url}/v1/models").json()["data"][0]["capabilities"]
+        assert caps["endpoints"] == ["completions", "chat.completions"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_endpoint_refused_under_the_flag_only(in_flight):
+    endpoints = {**ENDPOINTS, "completions": EndpointSupport.REFUSED_UNDER_IFB}
+    with served(in_flight=in_flight, runtime=FakeRuntime(caps=text_caps(endpoints=endpoints))) as (url, _):
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        caps = httpx.get(f"{url}/v1/models").json()["data"][0]["capabilities"]
+    if in_flight:
+        assert response.status_code == 400 and "--enable-in-flight-batching" in response.json()["error"]["message"]
+        assert caps["endpoints"] == ["chat.completions"]
+    else:
+        assert response.status_code == 200 and caps["endpoints"] == ["completions", "chat.completions"]

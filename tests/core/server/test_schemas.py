@@ -142,6 +142,9 @@ def test_chat_known_options_travel_in_extras():
         "type": "json_object"}
     assert "response_format" not in chat_spec(chat(response_format={"type": "text"}), {}).extras
     assert error_of(chat_spec, chat(response_format={"type": "yaml"}), {}).param == "response_format.type"
+    assert chat_spec(chat(response_format={"type": "regex", "regex": "[ab]+"}), {}).extras["response_format"] == {
+        "type": "regex", "regex": "[ab]+"}
+    assert error_of(chat_spec, chat(response_format={"type": "grammar"}), {}).param == "response_format.grammar"
     audio = chat_spec(chat(modalities=["text", "audio"], audio={"voice": "v", "format": "wav"}), {})
     assert audio.extras["generate_audio"] is True and audio.extras["audio"] == {"voice": "v", "format": "wav"}
     assert "generate_audio" not in chat_spec(chat(modalities=["text"]), {}).extras

@@ -90,7 +90,11 @@ def test_talker_code_count_follows_the_text_and_the_voice_matters(omni_dir):
     assert all(0 <= c < cfg.codebook_size for c in codes)
     assert talker.generate_codes(ids, 0, thinker_hidden=hidden, seed=1) == codes  # seeded: reproducible
     assert talker.generate_codes(ids, 1, thinker_hidden=hidden, seed=1) != codes
-    assert talker.generate_codes(ids, 0, thinker_hidden=hidden * 2, seed=1) != codes
+    # the Thinker's hidden states enter the Talker's context beside the text rows
+    prefix = talker.condition(ids, 0, hidden)
+    assert prefix.shape == (4 + 2, cfg.hidden_size)
+    assert not torch.equal(talker.condition(ids, 0, hidden * 2)[1:-1], prefix[1:-1])
+    assert torch.equal(talker.condition(ids, 0, hidden * 2)[[0, -1]], prefix[[0, -1]])
     with pytest.raises(ValueError, match="hidden state"):
         talker.generate_codes(ids, 0, seed=1)
 

@@ -220,3 +220,28 @@ def test_numpy_and_torch_masks_agree(checkpoint):
     allowed = [tokenizer.token_to_bytes(i) for i in (~masked[0]).nonzero().flatten().tolist()]
     assert b'"' in allowed and 0 < len(allowed) < 320  # inside a string: text or its closing quote
     assert tokenizer.eos_token_ids[0] < 320 and bool(masked[0][tokenizer.eos_token_ids[0]])
+
+
+def test_gguf_vocabulary_reaches_the_matcher_as_raw_bytes(checkpoint, tmp_path):
+    # The default model's tokenizer is rebuilt from GGUF metadata: the matcher must see each token's
+    # bytes ("Ġ" is a space), the control tokens as special, and the GGUF end-of-sequence id.
+    import gguf
+
+    from ifb_plugins.text.gguf_loader import read_metadata
+    from ifb_plugins.text.testing import save_tiny_gguf
+
+    path = save_tiny_gguf(checkpoint, tmp_path / "tiny.gguf")
+    tokenizer = TextTokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(path)))
+    ll = GuidedDecoder(tokenizer, 320).ll_tokenizer
+    assert ll.eos_tokens == list(tokenizer.eos_token_ids)
+    special = set(tokenizer.tokenizer.get_added_tokens_decoder())
+    for token_id in range(tokenizer.vocab_size):
+        raw = tokenizer.token_to_bytes(token_id)
+        if raw.startswith(b"\xff"):
+            continue  # llguidance's own marker for special tokens; never valid UTF-8, so never generated
+        assert ll.is_special_token(token_id) == (token_id in special)
+        if token_id not in special:
+            assert ll.decode_bytes([token_id]) == raw
+    text = 'say "hi" to café 42'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ll.decode_bytes(ids) == text.encode()

@@ -117,7 +117,7 @@ def test_bad_media_is_refused_at_submit(llm):
         "at most 30 s": [audio_part(wav_bytes(0, seconds=31, rate=8000, sample_width=1))],
         "format 'mp3'": [audio_part(b"ID3", fmt="mp3")],
         "not a PCM WAV": [audio_part(b"RIFF....WAVEjunk")],
-        "no such file": [{"type": "image_url", "image_url": {"url": "file:///nonexistent/cat.png"}}],
+        "local files are not allowed": [{"type": "image_url", "image_url": {"url": "file:///nonexistent/cat.png"}}],
         "placeholder": [{"type": "text", "text": "look: <image>"}],
     }
     before = llm.health()["scheduling"]["submitted"]
@@ -131,16 +131,30 @@ def test_bad_media_is_refused_at_submit(llm):
     assert llm.health()["scheduling"]["submitted"] == before  # refused before queuing
 
 
-def test_local_image_files_are_read(llm, tmp_path):
-    path = tmp_path / "picture.png"
+def test_local_image_files_are_read_only_inside_the_allowed_directory(llm, tmp_path):
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    path = allowed / "picture.png"
     path.write_bytes(png_bytes(1))
-    prepare = llm.deployment.runtime.prepare
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(png_bytes(1))
+    runtime = llm.deployment.runtime
+    prepare = runtime.prepare
     inline = prepare(image_chat(1))
-    for url in (str(path), path.as_uri()):
-        local = prepare(chat([{"type": "text", "text": "What is in this picture?"},
-                              {"type": "image_url", "image_url": {"url": url}}]))
-        assert local.prompt_token_ids == inline.prompt_token_ids
-        assert local.extras["kv_salt"] == inline.extras["kv_salt"]
+    runtime.allowed_media_dir = allowed  # as --allowed-local-media-path sets it
+    try:
+        for url in (str(path), path.as_uri()):
+            local = prepare(chat([{"type": "text", "text": "What is in this picture?"},
+                                  {"type": "image_url", "image_url": {"url": url}}]))
+            assert local.prompt_token_ids == inline.prompt_token_ids
+            assert local.extras["kv_salt"] == inline.extras["kv_salt"]
+        for url in (str(outside), str(allowed / ".." / "secret.png")):
+            with pytest.raises(InvalidRequest, match="under the allowed media directory"):
+                prepare(chat([{"type": "image_url", "image_url": {"url": url}}]))
+        with pytest.raises(InvalidRequest, match="no such file"):
+            prepare(chat([{"type": "image_url", "image_url": {"url": str(allowed / "missing.png")}}]))
+    finally:
+        runtime.allowed_media_dir = None
 
 
 def test_pruner_keeps_the_ratio_of_visual_tokens(llm, pruned):
