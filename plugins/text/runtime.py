@@ -50,6 +50,10 @@ class TextRuntime:
         self.lora = lora or LoraSet(model, {})
         limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = min(model.config.max_position_embeddings, limit)
+        if model.config.sliding_window:
+            # attention here is full-context: within the window it equals sliding-window attention,
+            # beyond it it would not, so the context stops at the window
+            self.max_model_len = min(self.max_model_len, model.config.sliding_window)
         self.kv_block_size = KV_BLOCK_SIZE
         capacity = kv_capacity_tokens(config, self.max_model_len)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)

@@ -9,6 +9,7 @@ bit-identical and the first-step logits agree to float32 round-off (measured: 0.
 from __future__ import annotations
 
 import inspect
+from typing import Iterator
 
 import pytest
 import torch
@@ -29,6 +30,16 @@ PROMPTS = [
     "Explain in one sentence what a KV cache is.",
 ]
 NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run this module single-threaded: on a small shared machine, OpenMP's spinning barriers
+    make a 135M model's small matmuls several times slower with two threads than with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
