@@ -32,9 +32,15 @@ class Deployment:
         return "in-flight batching" if self.engine.is_in_flight else "blocking path (one request at a time)"
 
     def describe(self) -> str:
-        why = ""
-        if not self.engine.is_in_flight:
-            why = f" ({self.blocking_reason})" if self.blocking_reason else " (the default; pass --enable-in-flight-batching to batch)"
+        caps = self.caps
+        if self.engine.is_in_flight:
+            why = (f" (the gate's decision: stepped execution and seated admission declared, "
+                   f"max_batch_size {self.config.max_batch_size} within the built {caps.max_batch_size}, "
+                   f"{caps.num_ranks} rank)")
+        elif self.blocking_reason:
+            why = f" (the gate's decision: {self.blocking_reason})"
+        else:
+            why = " (the default; pass --enable-in-flight-batching to batch)"
         return (f"loaded {self.runtime.model_name} with plugin {self.kind.plugin} ({self.kind.title}); "
                 f"served by {self.mode}{why}")
 

@@ -168,9 +168,9 @@ BUILTIN: dict[str, Workload] = {
     "skewed": Workload(name="skewed", kind="skewed", num_requests=48, rate=0.5,
                        output_lengths=(LengthBand(0.8, 8, 32), LengthBand(0.2, 128, 256)),
                        prompt_words=(8, 96)),
-    "shared_prefix": Workload(name="shared_prefix", kind="shared_prefix", num_requests=24, concurrency=8,
+    "shared_prefix": Workload(name="shared_prefix", kind="shared_prefix", num_requests=32, concurrency=8,
                               output_lengths=(LengthBand(1.0, 32, 32),), prompt_words=(8, 24),
-                              shared_prefix_words=400),
+                              shared_prefix_words=950),
 }
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
