@@ -41,6 +41,10 @@ class AttnMetadata:
     decode_token_idx: torch.Tensor
     #: sequences with more than one query token (prefill chunks), run one by one
     prefill_seq_idx: tuple[int, ...]
+    #: [Bd * W] the decode sequences' block tables, flattened once per step rather than per layer
+    decode_block_ids: torch.Tensor | None = None
+    #: [Bd, 1, 1, W * block_size] which gathered slots hold each decode sequence's context
+    decode_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,12 @@ def build_attn_metadata(
     for n in qlens:
         starts.append(starts[-1] + n)
     decode = [b for b, n in enumerate(qlens) if n == 1]
+    decode_ids = decode_mask = None
+    if decode:
+        decode_ids = torch.tensor([i for b in decode for i in table[b]], dtype=torch.long, device=device)
+        decode_lens = torch.tensor([slens[b] for b in decode], dtype=torch.long, device=device)
+        # A decode token sits at the last position: it sees its whole context and no padding.
+        decode_mask = (torch.arange(width * block_size, device=device) < decode_lens[:, None])[:, None, None, :]
     return AttnMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
@@ -93,6 +103,8 @@ def build_attn_metadata(
         decode_seq_idx=torch.tensor(decode, dtype=torch.long, device=device),
         decode_token_idx=torch.tensor([starts[b] for b in decode], dtype=torch.long, device=device),
         prefill_seq_idx=tuple(b for b, n in enumerate(qlens) if n > 1),
+        decode_block_ids=decode_ids,
+        decode_mask=decode_mask,
     )
 
 
@@ -110,19 +122,23 @@ def _decode_attention(
     """All single-token sequences at once: one masked SDPA over ``[Bd, H, 1, max_ctx]``."""
     if triton_kernels.applies_to(q):  # CUDA inference: the Triton kernel, same math, no gather copy
         return triton_kernels.decode_attention(q, k_cache, v_cache, attn)
-    tables = attn.block_tables.index_select(0, attn.decode_seq_idx)  # [Bd, W]
-    lens = attn.seq_lens.index_select(0, attn.decode_seq_idx)  # [Bd]
-    bd, width = tables.shape
+    block_ids, mask = attn.decode_block_ids, attn.decode_mask
+    if block_ids is None or mask is None:  # metadata built by hand: derive them here
+        tables = attn.block_tables.index_select(0, attn.decode_seq_idx)  # [Bd, W]
+        lens = attn.seq_lens.index_select(0, attn.decode_seq_idx)  # [Bd]
+        ctx = tables.shape[1] * attn.block_size
+        mask = (torch.arange(ctx, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        block_ids = tables.flatten()
+    bd, ctx = mask.shape[0], mask.shape[-1]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    ctx = width * attn.block_size
-    k = k_cache[tables].view(bd, ctx, hkv, d).transpose(1, 2)  # [Bd, Hkv, ctx, D]
-    v = v_cache[tables].view(bd, ctx, hkv, d).transpose(1, 2)
-    qd = q.index_select(0, attn.decode_token_idx).unsqueeze(2)  # [Bd, Hq, 1, D]
-    # A decode token sits at the last position, so it sees its whole context and no padding.
-    mask = torch.arange(ctx, device=q.device)[None, :] < lens[:, None]  # [Bd, ctx]
-    out = F.scaled_dot_product_attention(
-        qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], enable_gqa=True
-    )  # [Bd, Hq, 1, D]
+    # index_select on the flat table: the same copy as k_cache[tables], several times cheaper
+    k = k_cache.index_select(0, block_ids).view(bd, ctx, hkv, d).transpose(1, 2)  # [Bd, Hkv, ctx, D]
+    v = v_cache.index_select(0, block_ids).view(bd, ctx, hkv, d).transpose(1, 2)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    # In a decode-only step the decode tokens are all the tokens, in order.
+    qd = q if attn.decode_only else q.index_select(0, attn.decode_token_idx)
+    out = F.scaled_dot_product_attention(qd.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)  # [Bd, Hq, 1, D]
     return out.squeeze(2)
 
 

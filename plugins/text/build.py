@@ -5,26 +5,76 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb_plugins.text.loader import build_model, load_checkpoint
+from ifb_plugins.text.loader import LoadedCheckpoint, build_model, load_checkpoint
 from ifb_plugins.text.lora import LoraSet
+from ifb_plugins.text.model import TextModel
 from ifb_plugins.text.runtime import TextRuntime
 
 log = logging.getLogger("ifb.text")
+
+#: values of ``DeployConfig.options["quantization"]``
+QUANTIZATION_MODES = ("auto", "none")
 
 
 def model_name_for(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def quantization_mode(config: DeployConfig) -> str:
+    """``auto`` (the default: run a GGUF's 4-bit weights packed) or ``none`` (float32)."""
+    mode = config.options.get("quantization") or "auto"
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {mode!r}")
+    return mode
+
+
+@attrs.frozen
+class Prepared:
+    """How ``prepare_model`` left the model."""
+
+    description: str
+    #: the matmuls run on the native kernels' threads (see ``TextRuntime.step_torch_threads``)
+    is_native: bool = False
+
+
+def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> Prepared:
+    """Move ``model``'s quantized GGUF matrices onto block matmuls (in place) when ``mode`` allows.
+
+    LoRA adapters hook the float32 projections by name, so a deployment with
+    adapters keeps the model as loaded.
+    """
+    if has_lora:
+        return Prepared("float32 (LoRA adapters registered)")
+    if mode == "auto" and loaded.source == "gguf":
+        from ifb_plugins.text import qkernels, quant
+        from ifb_plugins.text.gguf_loader import read_gguf_tensors
+
+        report = quant.quantize_model(model, read_gguf_tensors(loaded.path))
+        kernels = qkernels.load() if report.backend == "native" else None
+        if kernels is not None:
+            kernels.set_num_threads(torch.get_num_threads())
+            quant.use_native_attention(model, kernels)
+        return Prepared(report.describe(), is_native=kernels is not None)
+    return Prepared("float32")
+
+
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
+    mode = quantization_mode(config)
     loaded = load_checkpoint(path)
     model = build_model(loaded, dtype=torch.float32)
     name = config.options.get("served_model_name") or model_name_for(path)
-    lora = LoraSet(model, dict(config.options.get("lora_adapters") or {}))
-    log.info("loaded %s (%s, %d layers, hidden %d)", name, loaded.source, loaded.config.num_layers,
-             loaded.config.hidden_size)
-    return TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name, lora=lora)
+    adapters = dict(config.options.get("lora_adapters") or {})
+    prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
+    lora = LoraSet(model, adapters)
+    log.info("loaded %s (%s, %d layers, hidden %d; %s)", name, loaded.source, loaded.config.num_layers,
+             loaded.config.hidden_size, prepared.description)
+    runtime = TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
+                          lora=lora)
+    if prepared.is_native:
+        runtime.step_torch_threads = 1
+    return runtime

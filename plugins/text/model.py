@@ -12,6 +12,7 @@ D head dim, I intermediate size, V vocab.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def _apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` with the rotation's sign folded into ``signed_sin [T, 1, D]`` (``-sin | sin``).
+
+    ``cat(-x2, x1) * sin == swap_halves(x) * signed_sin`` elementwise, so this is
+    the same arithmetic in three ops instead of six.
+    """
+    t, heads, d = x.shape
+    swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)
+    return x * cos + swapped * signed_sin
+
+
+def rope_table(config: TextModelConfig, inv_freq: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, 2, D]`` float32: ``cos`` and signed ``sin`` (``-sin | sin``) of positions ``0..length-1``."""
+    positions = torch.arange(length, dtype=torch.int64, device=inv_freq.device)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+    sin = emb.sin()
+    half = config.head_dim // 2
+    sin[:, :half].neg_()
+    return torch.stack((emb.cos(), sin), dim=1)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last axis, with a learned per-channel scale."""
 
@@ -92,6 +115,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_kernels.applies_to(x):  # CUDA inference: one fused kernel, same rounding
             return triton_kernels.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One call, bit-identical to the composite below for float32 (and cheaper per step).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in float32 whatever the model dtype, as the reference implementations do.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -112,21 +138,39 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        #: q, k and v as one matmul (set by ``quant.quantize_model``), else None
+        self.qkv_proj: nn.Module | None = None
+        #: replaces ``attention.paged_attention`` (same signature) when set, e.g. by ``quant.use_native_attention``
+        self.attention_impl: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
+        """``cos`` and ``sin`` are ``[T, 1, D]``, ``sin`` signed (``-sin | sin``, see ``rope_table``)."""
         c = self.config
         t = x.shape[0]
-        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+            v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+            if c.qk_norm:
+                q = self.q_norm(qkv[:, : hq * d].view(t, hq, d))
+                k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d))
+                q, k = _apply_rope_signed(q, cos, sin), _apply_rope_signed(k, cos, sin)
+            else:
+                # q and k heads side by side: one rotation for both
+                qk = _apply_rope_signed(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = self.q_proj(x).view(t, hq, d)  # [T, Hq, D]
+            k = self.k_proj(x).view(t, hkv, d)  # [T, Hkv, D]
+            v = self.v_proj(x).view(t, hkv, d)  # [T, Hkv, D]
+            if c.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _apply_rope_signed(q, cos, sin), _apply_rope_signed(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, attn)  # [T, Hq, D]
+        out = (self.attention_impl or paged_attention)(q, k_cache, v_cache, attn)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, c.q_size))  # [T, H]
 
 
@@ -139,8 +183,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        #: gate and up as one matmul (set by ``quant.quantize_model``), else None
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, H]
 
 
@@ -182,15 +231,29 @@ class TextModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Not persistent: it is derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        #: the output head when it is not a plain matmul (``quant.RescoredHead``), else None
+        self.head: nn.Module | None = None
+        # cos / signed sin per position, grown on demand; rebuilt if inv_freq is replaced
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
+              num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and signed ``sin`` ``[T, 1, D]`` at ``positions`` (all below ``num_positions``)."""
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32 or inv_freq.is_meta:
             # A whole-model cast (model.to(torch.bfloat16)) must not round the frequencies.
             inv_freq = self.inv_freq = rope_inv_freq(self.config).to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 1
+        cache = self._rope_cache
+        if cache is None or cache[0] is not inv_freq or cache[1].shape[0] < num_positions \
+                or cache[1].device != positions.device:
+            length = max(256, 1 << (num_positions - 1).bit_length())  # doubling: rebuilt O(log n) times
+            cache = self._rope_cache = (inv_freq, rope_table(self.config, inv_freq, length))
+        cs = cache[1].index_select(0, positions)  # [T, 2, D]
+        if cs.dtype != dtype:
+            cs = cs.to(dtype)
+        return cs[:, 0:1], cs[:, 1:2]
 
     def forward(
         self,
@@ -206,12 +269,15 @@ class TextModel(nn.Module):
         ``input_embeds [T, H]``, when given, replaces the token embeddings (media splicing).
         """
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
-        cos, sin = self._rope(positions, x.dtype)
+        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host))
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn, kv_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[N, H]`` to float32 logits ``[N, V]``."""
+        if self.head is not None:
+            return self.head(hidden)
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
+

@@ -65,6 +65,10 @@ class TextRuntime:
         self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
         self.system_prompts = SystemPromptCache(self._blocking_blocks, self)
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
+        #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
+        #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
+        #: to gain from OpenMP, whose workers, woken from a non-main thread, only add latency.
+        self.step_torch_threads: int | None = None
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -97,8 +101,19 @@ class TextRuntime:
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
     # ---- stepped execution ----
-    @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepOutput:
+        want = self.step_torch_threads
+        before = torch.get_num_threads() if want else 0
+        if not want or before == want:
+            return self._execute(step)
+        torch.set_num_threads(want)
+        try:
+            return self._execute(step)
+        finally:
+            torch.set_num_threads(before)
+
+    @torch.inference_mode()
+    def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
         input_ids, positions = [], []
         for s in seqs:

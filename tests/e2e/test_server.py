@@ -167,7 +167,7 @@ def test_logprobs(ifb):
 def _stream_timed(client: openai.OpenAI, model: str, index: int, start_at: float) -> tuple[float, float]:
     time.sleep(max(0.0, start_at - time.monotonic()))
     first = None
-    stream = client.completions.create(model=model, prompt=f"Count from {index} upwards:", max_tokens=16,
+    stream = client.completions.create(model=model, prompt=f"Count from {index} upwards:", max_tokens=64,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].text:

@@ -1,0 +1,128 @@
+"""How closely the default model's quantized path follows its float32 path.
+
+Both run the same GGUF: the float32 path dequantizes every matrix, the
+quantized path multiplies the stored blocks (``plugins/text/quant.py``). Over a
+fixed set of chat prompts, each greedy-decoded for N tokens on both paths:
+
+- token agreement: per prompt, the fraction of the N tokens produced before the
+  first divergence, averaged over prompts;
+- identical prompts: the fraction of prompts whose N tokens all match;
+- first-step logits: the largest absolute difference of the logits that pick
+  the first token (and over every prompt position), with the logits' scale.
+
+    python benchmarks/quant_quality.py                        # the native kernels (the default)
+    python benchmarks/quant_quality.py --backend torch-int4   # torch's int4 fallback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "What is 12345 + 678?",
+    "List three primary colors.",
+    "Explain in one sentence what a KV cache is.",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+    "What are the planets of the solar system?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "How many legs does a spider have?",
+    "Suggest a name for a friendly robot.",
+    "What is the boiling point of water at sea level in Fahrenheit?",
+    "Describe a sunset over the mountains.",
+)
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float, list[int]]:
+    """(mean fraction of tokens before the first divergence, fraction fully identical, per-prompt prefix lengths)."""
+    prefixes = []
+    for a, b in zip(ours, ref):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(n)
+    total = [len(b) for b in ref]
+    mean = sum(p / t for p, t in zip(prefixes, total)) / len(ref)
+    identical = sum(p == t for p, t in zip(prefixes, total)) / len(ref)
+    return mean, identical, prefixes
+
+
+def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
+    import torch
+
+    from ifb_plugins.text import qkernels, quant
+    from ifb_plugins.text.default_model import resolve_model
+    from ifb_plugins.text.gguf_loader import read_gguf_tensors
+    from ifb_plugins.text.loader import build_model, load_checkpoint
+    from ifb_plugins.text.testing import greedy_generate_batch
+
+    path = resolve_model(None)
+    loaded = load_checkpoint(path)
+    reference = build_model(loaded)
+    quantized = build_model(loaded)
+    report = quant.quantize_model(quantized, read_gguf_tensors(path), backend)  # type: ignore[arg-type]
+    if report.backend == "native":
+        qkernels.load().set_num_threads(torch.get_num_threads())  # type: ignore[union-attr]
+    tok = loaded.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+
+    worst_first = worst_all = scale = 0.0
+    for ids in prompts:
+        with torch.inference_mode():
+            a, b = _prefill_logits(quantized, ids), _prefill_logits(reference, ids)
+        worst_first = max(worst_first, (a[-1] - b[-1]).abs().max().item())
+        worst_all = max(worst_all, (a - b).abs().max().item())
+        scale = max(scale, b.abs().max().item())
+    with torch.inference_mode():
+        ours = greedy_generate_batch(quantized, prompts, num_tokens)
+        ref = greedy_generate_batch(reference, prompts, num_tokens)
+    mean, identical, prefixes = agreement(ours, ref)
+    return {
+        "weights": report.describe(),
+        "prompts": len(prompts),
+        "tokens_per_prompt": num_tokens,
+        "token_agreement_before_first_divergence": mean,
+        "prompts_fully_identical": identical,
+        "tokens_before_divergence": prefixes,
+        "first_step_logit_max_abs_diff": worst_first,
+        "all_positions_logit_max_abs_diff": worst_all,
+        "logit_max_abs": scale,
+    }
+
+
+def _prefill_logits(model: Any, ids: list[int]) -> Any:
+    import torch
+
+    from ifb_plugins.text.attention import build_attn_metadata
+    from ifb_plugins.text.model import allocate_kv_cache
+
+    block_size = 16
+    blocks = list(range(-(-len(ids) // block_size)))
+    caches = allocate_kv_cache(model.config, len(blocks), block_size)
+    attn = build_attn_metadata([(0, len(ids), blocks)], block_size)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, caches))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    parser.add_argument("--backend", choices=("native", "torch-int4"), default=None,
+                        help="quantized matmul to compare (default: what a deployment would pick)")
+    args = parser.parse_args(argv)
+    result = measure(args.tokens, args.backend)
+    print(json.dumps(result, indent=1))
+    print(f"\n{result['weights']}\n"
+          f"token agreement before the first divergence: {result['token_agreement_before_first_divergence']:.1%}\n"
+          f"prompts fully identical over {args.tokens} tokens: {result['prompts_fully_identical']:.1%}\n"
+          f"first-step logits max abs diff: {result['first_step_logit_max_abs_diff']:.3g} "
+          f"(all positions {result['all_positions_logit_max_abs_diff']:.3g}; logits up to {result['logit_max_abs']:.3g})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

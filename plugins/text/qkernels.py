@@ -1,0 +1,181 @@
+"""Native matmuls over GGUF weight blocks and paged attention (``qkernels.c``), compiled on first use.
+
+torch's packed int4 CPU matmul is compute-bound for one or a few rows (it
+reaches about a third of memory bandwidth on a decode step) and only runs
+fast on bfloat16 activations. These kernels read GGUF's Q4_0 / Q4_1 / Q8_0
+blocks as stored, multiply float32 activations, and are memory-bound for the
+row counts of a decode step. Their result differs from a float32 matmul on
+the dequantized weights by summation order only.
+
+The C file is built once per machine with the system C compiler
+(``$CC``, else ``cc``) and ``-O3 -march=native`` into the user cache directory,
+keyed by the source, the compiler and the CPU's feature flags. Without a
+compiler, or on a CPU with neither AVX2 nor AVX-512, ``load()`` returns None
+and the caller falls back (loudly) to another path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import platformdirs
+import torch
+
+from ifb_plugins.text.attention import AttnMetadata
+
+log = logging.getLogger("ifb.text")
+
+SOURCE_NAME = "qkernels.c"
+#: exact float32 arithmetic (no fused multiply-add contraction), tuned for this CPU
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    """``$IFB_KERNEL_CACHE`` or ``<user cache>/ifb/kernels``."""
+    override = os.environ.get("IFB_KERNEL_CACHE")
+    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("ifb")) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("flags", "model name", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    name = os.environ.get("CC", "cc")
+    return shutil.which(name)
+
+
+def _build(source: bytes, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / SOURCE_NAME, Path(tmp) / target.name
+        src.write_bytes(source)
+        cmd = [compiler, *CFLAGS, "-o", str(lib), str(src), "-lpthread"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # atomic: a concurrent loader sees the old file or the whole new one
+
+
+class Kernels:
+    """The loaded library: ``q4_matmul``, ``q8_matmul`` and ``paged_attention`` on torch tensors."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.isa = int(lib.ifb_qk_isa())
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        self._q4 = lib.ifb_q4_matmul
+        self._q4.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, ptr, long]
+        self._q4.restype = None
+        self._q8 = lib.ifb_q8_matmul
+        self._q8.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, long]
+        self._q8.restype = None
+        self._attention = lib.ifb_paged_attention
+        self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, long, ptr, long, ptr, ptr, long,
+                                    ctypes.c_float, ptr]
+        self._attention.restype = None
+        self._set_threads = lib.ifb_qk_set_threads
+        self._set_threads.argtypes = [ctypes.c_int]
+        self._get_threads = lib.ifb_qk_get_threads
+
+    @property
+    def num_threads(self) -> int:
+        """Threads per matmul, the calling thread included."""
+        return int(self._get_threads())
+
+    def set_num_threads(self, n: int) -> None:
+        """Split each matmul's output columns over ``n`` threads (helpers start on first use)."""
+        self._set_threads(int(n))
+
+    def q4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` float32 contiguous times 4-bit blocks ``codes [N, K/2]`` (``w = scale * q + minimum``)."""
+        m, k = x.shape
+        n = codes.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._q4(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        return out
+
+    def q8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` float32 contiguous times 8-bit blocks ``codes [N, K]`` int8 (``w = scale * q``)."""
+        m, k = x.shape
+        n = codes.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._q8(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+                 None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        return out
+
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        attn: AttnMetadata) -> torch.Tensor:
+        """``attention.paged_attention`` for float32 caches: causal attention of ``q [T, Hq, D]``
+        over the paged K/V (the step's own K/V already written); returns ``[T, Hq, D]``.
+
+        Every query row is computed on its own, so a token's result does not depend on the
+        step's other tokens, whether they are batch mates or the rest of its prefill chunk.
+        """
+        t, hq, d = q.shape
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.float().contiguous()
+        if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the native attention reads contiguous float32 KV caches")
+        tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
+        if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64):
+            raise ValueError("the native attention reads contiguous int64 attention metadata")
+        out = torch.empty(t, hq, d, dtype=torch.float32)
+        self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
+                        v_cache.data_ptr(), attn.block_size, tables.data_ptr(), tables.shape[1],
+                        starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
+        return out
+
+
+@functools.cache
+def load() -> Kernels | None:
+    """The compiled kernels, building them on first use; None (with a warning) when that is impossible."""
+    try:
+        source = resources.files("ifb_plugins.text").joinpath(SOURCE_NAME).read_bytes()
+    except OSError as exc:
+        log.warning("native GGUF kernels unavailable: %s is missing (%s)", SOURCE_NAME, exc)
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("native GGUF kernels unavailable: no C compiler (set CC or install cc)")
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native GGUF kernels unavailable: %s --version failed (%s)", compiler, exc)
+        return None
+    parts = [source, version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = cache_dir() / f"qkernels-{key}.so"
+    try:
+        if not target.exists():
+            log.info("compiling native GGUF kernels into %s", target)
+            _build(source, compiler, target)
+        kernels = Kernels(ctypes.CDLL(str(target)), target)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native GGUF kernels unavailable: %s", exc)
+        return None
+    if kernels.isa == 0:
+        log.warning("native GGUF kernels unavailable: this CPU has neither AVX2 nor AVX-512")
+        return None
+    return kernels

@@ -1,0 +1,274 @@
+"""Run a GGUF checkpoint's quantized matrices as they are stored, instead of in float32.
+
+A decode step reads every weight once, so on a CPU its speed is set by the
+bytes it streams: the default model's 4-bit blocks are about a sixth of its
+float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
+(and its output head) for modules that multiply the GGUF blocks directly:
+
+- ``BlockLinear`` (the default): the native kernels of ``qkernels``. They
+  rebuild each block's weights in float32 exactly as the float32 path's
+  dequantization does and multiply float32 activations, so the quantized model
+  differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
+  (the default model's tied embedding, hence its output head) are read.
+- ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
+  int4pack matmul on bfloat16 activations, 4-bit types only.
+
+Q/K/V and gate/up are fused into one matmul each (their rows are concatenated;
+``gguf_loader`` has already put llama.cpp's permuted Q/K rows back in order,
+and rows move whole, so the blocks are untouched). Both backends compute a row
+of the output independently of the other rows in the call, so batched greedy
+output stays identical to solo output.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, Mapping
+
+import attrs
+import gguf
+import numpy as np
+import torch
+from torch import nn
+
+from ifb_plugins.text import qkernels, quant_torch
+from ifb_plugins.text.gguf_loader import GGUFTensor
+
+log = logging.getLogger("ifb.text")
+
+Q = gguf.GGMLQuantizationType
+#: weights per block
+BLOCK = 32
+#: bytes per block, and whether the block stores a minimum (Q4_1)
+_LAYOUT = {Q.Q4_0: (18, False), Q.Q4_1: (20, True), Q.Q8_0: (34, False)}
+#: projections fused at load: (fused name, parts in output order)
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+         ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+SINGLE = (("self_attn", "o_proj"), ("mlp", "down_proj"))
+
+Backend = Literal["native", "torch-int4"]
+
+
+@attrs.frozen(eq=False)
+class BlockWeight:
+    """A GGUF matrix ``[N, K]`` split into arrays: codes and per-block scale (and minimum).
+
+    4-bit: ``codes`` ``[N, K / 2]`` uint8 in GGUF's nibble order, ``w = scale * q + minimum``;
+    8-bit: ``codes`` ``[N, K]`` int8, ``w = scale * q`` (``minimum`` is None).
+    ``scale`` and ``minimum`` are ``[N, K / 32]`` float32.
+    """
+
+    bits: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, width = self.codes.shape
+        return n, width * 2 if self.bits == 4 else width
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """``[N, K]`` int32 codes in weight order (0..15, or -128..127)."""
+        n, k = self.shape
+        if self.bits == 8:
+            return self.codes.to(torch.int32)
+        blocks = self.codes.view(n, k // BLOCK, BLOCK // 2)
+        # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one.
+        return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int32).view(n, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]``, computed as the float32 path computes it."""
+        n, k = self.shape
+        w = self.unpacked_codes().float().view(n, k // BLOCK, BLOCK) * self.scale[..., None]
+        if self.minimum is not None:
+            w = w + self.minimum[..., None]
+        return w.view(n, k)
+
+    def to_int4pack(self) -> quant_torch.Int4Weight:
+        """The same 4-bit weight in torch int4pack's convention ``w = (q - 8) * scale + zero``."""
+        if self.bits != 4 or self.minimum is None:
+            raise ValueError("only 4-bit weights map onto torch's int4 kernel")
+        return quant_torch.Int4Weight(self.unpacked_codes(), self.scale, self.minimum + 8 * self.scale)
+
+
+def read_blocks(tensor: GGUFTensor) -> BlockWeight | None:
+    """A Q4_0 / Q4_1 / Q8_0 matrix's blocks as a ``BlockWeight``; None for any other type."""
+    if tensor.ggml_type not in _LAYOUT or len(tensor.shape) != 2:
+        return None
+    n, k = tensor.shape
+    nbytes, has_min = _LAYOUT[tensor.ggml_type]
+    blocks = np.ascontiguousarray(tensor.data).reshape(n, k // BLOCK, nbytes)
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    body = blocks[..., 4 if has_min else 2:].copy()
+    if tensor.ggml_type == Q.Q8_0:
+        return BlockWeight(8, torch.from_numpy(body.view(np.int8)).reshape(n, k), scale, None)
+    codes = torch.from_numpy(body).reshape(n, k // 2)
+    if has_min:
+        minimum = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        minimum = -8 * scale  # Q4_0 stores w = d * (q - 8)
+    return BlockWeight(4, codes, scale, minimum)
+
+
+def concat(parts: list[BlockWeight]) -> BlockWeight:
+    """Stack weights of one kind along the output axis (a fused projection)."""
+    if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("fused parts need one block type and one input width")
+    minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])  # type: ignore[misc]
+    return BlockWeight(parts[0].bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                       minimum)
+
+
+class BlockLinear(nn.Module):
+    """``nn.Linear``'s call signature over GGUF blocks, computed by the native kernels (float32 out)."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits = weight.bits
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scale", weight.scale.contiguous())
+        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        if self.bits == 4:
+            out = self.kernels.q4_matmul(rows, self.codes, self.scale, self.minimum, self.bias)
+        else:
+            out = self.kernels.q8_matmul(rows, self.codes, self.scale, self.bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits} (GGUF blocks)"
+
+
+@attrs.frozen
+class QuantizationReport:
+    """What ``quantize_model`` did, for the load log."""
+
+    backend: Backend | None
+    num_quantized: int
+    num_kept: int
+    head: str
+
+    def describe(self) -> str:
+        if self.backend is None:
+            return "float32"
+        return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}), "
+                f"{self.num_kept} in float32, output head {self.head}")
+
+
+def choose_backend() -> Backend | None:
+    """``native`` when the kernels build here, else ``torch-int4`` when torch has it, else None."""
+    if qkernels.load() is not None:
+        return "native"
+    if quant_torch.supported():
+        log.warning("running the GGUF's 4-bit weights with torch's int4 kernel (bfloat16 activations) instead")
+        return "torch-int4"
+    log.warning("no quantized matmul is available here: running the GGUF in float32")
+    return None
+
+
+class _Swapper:
+    """Builds the replacement module for one projection, or says why not (None)."""
+
+    def __init__(self, backend: Backend, raw: Mapping[str, GGUFTensor]) -> None:
+        self.backend = backend
+        self.raw = raw
+        self.kernels = qkernels.load() if backend == "native" else None
+
+    def weight(self, name: str) -> BlockWeight | None:
+        tensor = self.raw.get(f"{name}.weight")
+        block = None if tensor is None else read_blocks(tensor)
+        if block is not None and self.backend == "torch-int4" and block.bits != 4:
+            return None
+        return block
+
+    def module(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
+        if self.backend == "native":
+            assert self.kernels is not None
+            return BlockLinear(weight, bias, self.kernels)
+        return quant_torch.Int4Linear(weight.to_int4pack(), bias)
+
+
+def _fused_bias(modules: list[nn.Linear]) -> torch.Tensor | None:
+    if all(m.bias is None for m in modules):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in modules])
+
+
+def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
+    done = kept = 0
+    for owner_name, fused, parts in FUSED:
+        owner = getattr(layer, owner_name)
+        weights = [swap.weight(f"{prefix}.{owner_name}.{p}") for p in parts]
+        modules = [getattr(owner, p) for p in parts]
+        if all(w is not None for w in weights) and len({w.bits for w in weights}) == 1:  # type: ignore[union-attr]
+            setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules)))  # type: ignore[arg-type]
+            for p in parts:
+                delattr(owner, p)
+            done += len(parts)
+            continue
+        for p, w, m in zip(parts, weights, modules):
+            if w is not None:
+                setattr(owner, p, swap.module(w, m.bias))
+        done += sum(w is not None for w in weights)
+        kept += sum(w is None for w in weights)
+    for owner_name, name in SINGLE:
+        owner = getattr(layer, owner_name)
+        w = swap.weight(f"{prefix}.{owner_name}.{name}")
+        if w is None:
+            kept += 1
+        else:
+            setattr(owner, name, swap.module(w, getattr(owner, name).bias))
+            done += 1
+    return done, kept
+
+
+def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor],
+                   backend: Backend | None = None) -> QuantizationReport:
+    """Swap a loaded ``TextModel``'s quantized GGUF projections for block matmuls (in place).
+
+    ``raw_tensors`` is ``gguf_loader.read_gguf_tensors(path)``; ``backend``
+    defaults to ``choose_backend()``. Projections stored in other types keep
+    their float32 ``nn.Linear``. The output head moves to blocks as well when
+    any projection did: read as stored with the native kernels, re-quantized
+    to 4 bits with exact re-scoring of the top rows with torch's.
+    """
+    backend = backend or choose_backend()
+    if backend is None:
+        return QuantizationReport(None, 0, 0, "float32")
+    swap = _Swapper(backend, raw_tensors)
+    done = kept = 0
+    for i, layer in enumerate(model.model.layers):
+        a, b = _swap_layer(layer, f"model.layers.{i}", swap)
+        done, kept = done + a, kept + b
+    head = "float32"
+    if done:
+        tied = model.config.tie_word_embeddings
+        name = "model.embed_tokens" if tied else "lm_head"
+        tensor = raw_tensors.get(f"{name}.weight")
+        block = None if tensor is None else read_blocks(tensor)
+        if backend == "native" and block is not None:
+            model.head = swap.module(block, None)
+            head = f"on GGUF blocks ({tensor.ggml_type.name})"  # type: ignore[union-attr]
+        elif backend == "torch-int4":
+            weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+            model.head = quant_torch.RescoredHead(weight.detach())
+            head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
+    return QuantizationReport(backend, done, kept, head)
+
+
+def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:
+    """Run every layer's attention on the native kernel (float32 KV caches).
+
+    Each query row is computed on its own there, so a token's attention output
+    is the same in a decode step, a batch, or any prefill chunk.
+    """
+    for layer in model.model.layers:
+        layer.self_attn.attention_impl = kernels.paged_attention

@@ -1,0 +1,183 @@
+"""GGUF block matmuls: the native kernels, the torch int4 fallback, and a quantized model end to end.
+
+Tiny GGUF checkpoints are written the way llama.cpp converts (Q/K rows permuted,
+Q4_1 projections, Q8_0 embedding) and loaded through the real loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from torch import nn
+
+from ifb import LLM, SamplingParams
+from ifb.capabilities import DeployConfig
+from ifb.params import RequestSpec
+from ifb_plugins.text import qkernels, quant, quant_torch
+from ifb_plugins.text.build import prepare_model, quantization_mode
+from ifb_plugins.text.gguf_loader import GGUFTensor, read_gguf_tensors
+from ifb_plugins.text.loader import build_model, load_checkpoint
+from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from tests.helpers import submit_staggered
+from tests.plugins.text.test_loaders import prefill_logits
+
+Q = gguf.GGMLQuantizationType
+KERNELS = qkernels.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+needs_int4 = pytest.mark.skipif(not quant_torch.supported(), reason="torch has no int4 CPU kernel")
+PROMPTS = [[5, 17, 33], list(range(40, 61)), [7] * 9, list(range(100, 137))]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("quant")
+    return save_tiny_gguf(save_tiny_checkpoint(root / "hf", "llama", seed=7), root / "tiny.gguf")
+
+
+def gguf_tensor(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFTensor:
+    """A random [n, k] matrix quantized by gguf itself."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    return GGUFTensor(gguf_name="w", ggml_type=qtype, shape=(n, k), data=gguf.quants.quantize(w, qtype))
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int = 0) -> quant.BlockWeight:
+    block = quant.read_blocks(gguf_tensor(qtype, n, k, seed))
+    assert block is not None
+    return block
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_blocks_dequantize_like_gguf(qtype: Q) -> None:
+    tensor = gguf_tensor(qtype, 48, 96)
+    ref = torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype))
+    block = quant.read_blocks(tensor)
+    assert block is not None and block.bits == (8 if qtype == Q.Q8_0 else 4) and block.shape == (48, 96)
+    # Q4_0's w = d * (q - 8) is rebuilt as d * q - 8 d: equal up to one rounding
+    assert torch.allclose(block.dequantize(), ref, rtol=0, atol=1e-6 if qtype == Q.Q4_0 else 0)
+    assert quant.read_blocks(GGUFTensor("n", Q.F32, (4, 32), torch.zeros(4, 32).numpy())) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q) -> None:
+    block = random_blocks(qtype, 80, 160, seed=1)
+    linear = quant.BlockLinear(block, torch.randn(80), KERNELS)
+    x = torch.randn(23, 160, generator=torch.Generator().manual_seed(2))
+    ref = nn.functional.linear(x, block.dequantize(), linear.bias)
+    full = linear(x)
+    assert full.dtype == torch.float32 and torch.allclose(full, ref, rtol=1e-5, atol=1e-4)
+    threads = KERNELS.num_threads
+    try:
+        for n in (1, 2, 3):
+            KERNELS.set_num_threads(n)
+            # every row alone, and every window of rows, gives the bits it gave in the full batch
+            assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(23))
+            assert all(torch.equal(linear(x[i:i + w]), full[i:i + w]) for w in (2, 5, 9) for i in range(0, 23 - w))
+    finally:
+        KERNELS.set_num_threads(threads)
+
+
+@needs_int4
+def test_torch_int4_fallback_is_close_and_row_invariant() -> None:
+    block = random_blocks(Q.Q4_1, 96, 128, seed=3)
+    linear = quant_torch.Int4Linear(block.to_int4pack())
+    assert torch.allclose(block.to_int4pack().dequantize(), block.dequantize(), atol=1e-5)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(4))
+    full = linear(x)
+    ref = nn.functional.linear(x, block.dequantize())
+    assert (full.float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()  # bfloat16 arithmetic
+    assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(11))
+    # the re-scored head: the best logits of each row are exact
+    weight = torch.randn(320, 64, generator=torch.Generator().manual_seed(5))
+    head = quant_torch.RescoredHead(weight)
+    hidden = torch.randn(3, 64)
+    exact = hidden @ weight.T
+    got = head(hidden)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    top = exact.topk(3, dim=-1).indices
+    assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-5)
+
+
+def quantized(path: Path, backend: quant.Backend) -> tuple[nn.Module, quant.QuantizationReport]:
+    model = build_model(load_checkpoint(path))
+    return model, quant.quantize_model(model, read_gguf_tensors(path), backend)
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("native", marks=needs_kernels), pytest.param("torch-int4", marks=needs_int4)])
+def test_quantized_model_matches_float32_and_batches_like_solo(tiny_gguf: Path, backend: quant.Backend) -> None:
+    reference = build_model(load_checkpoint(tiny_gguf))
+    model, report = quantized(tiny_gguf, backend)
+    assert report.backend == backend and report.num_quantized == 7 * 2 and report.num_kept == 0
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_proj is not None and mlp.gate_up_proj is not None and not hasattr(attn, "q_proj")
+    assert model.head is not None
+    ids = PROMPTS[3]
+    got, ref = prefill_logits(model, ids), prefill_logits(reference, ids)
+    if backend == "native":  # the same weights, summed in another order
+        assert (got - ref).abs().max().item() < 1e-4
+    else:  # bfloat16 activations; only each row's best logits are re-scored exactly
+        top = ref.topk(5, dim=-1).indices
+        assert (got.gather(1, top) - ref.gather(1, top)).abs().max().item() < 0.1
+    batched = greedy_generate_batch(model, PROMPTS, 10, block_size=4)
+    assert batched == [greedy_generate(model, p, 10, block_size=4) for p in PROMPTS]
+    if backend == "native":
+        assert batched == greedy_generate_batch(reference, PROMPTS, 10, block_size=4)
+
+
+@needs_kernels
+def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(tiny_gguf), enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
+    try:
+        runtime = llm.deployment.runtime
+        assert isinstance(runtime.model.model.layers[0].mlp.down_proj, quant.BlockLinear)
+        assert runtime.step_torch_threads == 1
+        alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
+                 for p in PROMPTS]
+        # staggered arrivals and a 16-token budget: chunked prefills share steps with decodes
+        batched = submit_staggered(llm.engine, [RequestSpec(prompt_token_ids=tuple(p), params=params)
+                                                for p in PROMPTS], gap_steps=1)
+        assert [list(r.token_ids) for r in batched] == alone
+    finally:
+        llm.close()
+    fp32 = LLM(str(tiny_gguf), quantization="none")
+    try:
+        assert isinstance(fp32.deployment.runtime.model.model.layers[0].mlp.down_proj, nn.Linear)
+        assert fp32.deployment.runtime.step_torch_threads is None
+    finally:
+        fp32.close()
+
+
+def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: Path) -> None:
+    assert quantization_mode(DeployConfig()) == "auto"
+    assert quantization_mode(DeployConfig(options={"quantization": "none"})) == "none"
+    with pytest.raises(ValueError, match="quantization must be one of auto, none"):
+        quantization_mode(DeployConfig(options={"quantization": "int3"}))
+    loaded = load_checkpoint(tiny_gguf)
+    model = build_model(loaded)
+    assert "float32" in prepare_model(model, loaded, "none", has_lora=False).description
+    assert "LoRA" in prepare_model(model, loaded, "auto", has_lora=True).description
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and model.head is None
+    hf_dir = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=2)
+    hf = load_checkpoint(hf_dir)
+    assert prepare_model(build_model(hf), hf, "auto", has_lora=False).description == "float32"
+
+
+def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("IFB_KERNEL_CACHE", str(tmp_path / "kernels"))
+    qkernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ifb.text"):
+            assert qkernels.load() is None
+            backend = quant.choose_backend()
+        assert "no C compiler" in caplog.text
+        assert backend == ("torch-int4" if quant_torch.supported() else None)
+    finally:
+        qkernels.load.cache_clear()
