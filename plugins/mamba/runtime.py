@@ -23,6 +23,7 @@ from ifb.runtime import Prepared, ScheduledStep, SeqOutput, StepOutput
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
+from ifb_plugins.text.prompt import prompt_token_ids
 from ifb_plugins.text.runtime import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
 from ifb_plugins.text.sampling import sample
 from ifb_plugins.text.tokenizer import TextTokenizer
@@ -51,27 +52,7 @@ class HybridRuntime:
         if spec.params.n > self.num_seats:
             raise InvalidRequest(f"n={spec.params.n} needs {spec.params.n} state seats; this deployment has "
                                  f"{self.num_seats} (raise --max-batch-size)")
-        if spec.prompt_token_ids is not None:
-            ids = list(spec.prompt_token_ids)
-            bad = [i for i in ids if not 0 <= i < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        elif spec.messages is not None:
-            ids = self.tokenizer.encode(self._render_chat(list(spec.messages)), add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(spec.prompt or "", add_special_tokens=True)
-        return Prepared(tuple(ids))
-
-    def _render_chat(self, messages: list[dict]) -> str:
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise InvalidRequest("each message needs a role and content")
-            if not isinstance(m.get("content"), (str, type(None))):
-                raise InvalidRequest("this deployment accepts text content only")
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - the template's own error is the message
-            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+        return Prepared(tuple(prompt_token_ids(self.tokenizer, self.vocab_size, spec)))
 
     # ---- stepped execution ----
     @torch.inference_mode()

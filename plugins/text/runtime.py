@@ -23,6 +23,7 @@ from ifb_plugins.text.attention import build_attn_metadata
 from ifb_plugins.text.guided import GUIDED_GRAMMAR, GuidedDecoder
 from ifb_plugins.text.lora import LoraSet
 from ifb_plugins.text.model import TextModel, allocate_kv_cache
+from ifb_plugins.text.prompt import prompt_token_ids, render_chat
 from ifb_plugins.text.sampling import sample
 from ifb_plugins.text.syscache import SystemPromptCache
 from ifb_plugins.text.tokenizer import TextTokenizer
@@ -72,16 +73,7 @@ class TextRuntime:
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
-        if spec.prompt_token_ids is not None:
-            ids = list(spec.prompt_token_ids)
-            bad = [i for i in ids if not 0 <= i < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        elif spec.messages is not None:
-            text = self.render_chat(list(spec.messages))
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self.tokenizer.encode(spec.prompt or "", add_special_tokens=True)
+        ids = prompt_token_ids(self.tokenizer, self.vocab_size, spec)
         lora = spec.extras.get("lora")
         if lora and lora not in self.lora.adapters:
             known = ", ".join(sorted(self.lora.adapters)) or "none registered"
@@ -90,15 +82,7 @@ class TextRuntime:
         return Prepared(tuple(ids), {GUIDED_GRAMMAR: grammar} if grammar is not None else {})
 
     def render_chat(self, messages: list[dict]) -> str:
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise InvalidRequest("each message needs a role and content")
-            if not isinstance(m.get("content"), (str, type(None))):
-                raise InvalidRequest("this deployment accepts text content only")
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - the template's own error is the message
-            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+        return render_chat(self.tokenizer, messages)
 
     # ---- stepped execution ----
     def execute(self, step: ScheduledStep) -> StepOutput:
