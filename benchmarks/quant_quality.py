@@ -1,7 +1,9 @@
 """How closely the default model's quantized path follows its float32 path.
 
 Both run the same GGUF: the float32 path dequantizes every matrix, the
-quantized path multiplies the stored blocks (``plugins/text/quant.py``). Over a
+quantized path multiplies the stored blocks (``plugins/text/quant.py``; with the
+native kernels, attention and the layer loop run natively too, as a deployment
+runs them). Over a
 fixed set of chat prompts, each greedy-decoded for N tokens on both paths:
 
 - token agreement: per prompt, the fraction of the N tokens produced before the
@@ -59,6 +61,7 @@ def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
     from ifb_plugins.text.default_model import resolve_model
     from ifb_plugins.text.gguf_loader import read_gguf_tensors
     from ifb_plugins.text.loader import build_model, load_checkpoint
+    from ifb_plugins.text.native_decoder import use_native_decoder
     from ifb_plugins.text.testing import greedy_generate_batch
 
     path = resolve_model(None)
@@ -66,8 +69,12 @@ def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
     reference = build_model(loaded)
     quantized = build_model(loaded)
     report = quant.quantize_model(quantized, read_gguf_tensors(path), backend)  # type: ignore[arg-type]
-    if report.backend == "native":
-        qkernels.load().set_num_threads(torch.get_num_threads())  # type: ignore[union-attr]
+    if report.backend == "native":  # as a deployment runs it: native matmuls and attention
+        kernels = qkernels.load()
+        assert kernels is not None
+        kernels.set_num_threads(torch.get_num_threads())
+        quant.use_native_attention(quantized, kernels)
+        use_native_decoder(quantized, kernels)
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
 
@@ -116,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = measure(args.tokens, args.backend)
     print(json.dumps(result, indent=1))
-    print(f"\n{result['weights']}\n"
-          f"token agreement before the first divergence: {result['token_agreement_before_first_divergence']:.1%}\n"
-          f"prompts fully identical over {args.tokens} tokens: {result['prompts_fully_identical']:.1%}\n"
-          f"first-step logits max abs diff: {result['first_step_logit_max_abs_diff']:.3g} "
-          f"(all positions {result['all_positions_logit_max_abs_diff']:.3g}; logits up to {result['logit_max_abs']:.3g})")
+    r = result
+    print(f"\n{r['weights']}\n"
+          f"token agreement before the first divergence: {r['token_agreement_before_first_divergence']:.1%}\n"
+          f"prompts fully identical over {args.tokens} tokens: {r['prompts_fully_identical']:.1%}\n"
+          f"first-step logits max abs diff: {r['first_step_logit_max_abs_diff']:.3g} "
+          f"(all positions {r['all_positions_logit_max_abs_diff']:.3g}; logits up to {r['logit_max_abs']:.3g})")
     return 0
 
 

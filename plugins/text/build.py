@@ -33,7 +33,7 @@ def quantization_mode(config: DeployConfig) -> str:
 
 
 @attrs.frozen
-class Prepared:
+class PreparedModel:
     """How ``prepare_model`` left the model."""
 
     description: str
@@ -41,25 +41,28 @@ class Prepared:
     is_native: bool = False
 
 
-def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> Prepared:
+def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> PreparedModel:
     """Move ``model``'s quantized GGUF matrices onto block matmuls (in place) when ``mode`` allows.
 
     LoRA adapters hook the float32 projections by name, so a deployment with
     adapters keeps the model as loaded.
     """
     if has_lora:
-        return Prepared("float32 (LoRA adapters registered)")
+        return PreparedModel("float32 (LoRA adapters registered)")
     if mode == "auto" and loaded.source == "gguf":
         from ifb_plugins.text import qkernels, quant
         from ifb_plugins.text.gguf_loader import read_gguf_tensors
+        from ifb_plugins.text.native_decoder import use_native_decoder
 
         report = quant.quantize_model(model, read_gguf_tensors(loaded.path))
-        kernels = qkernels.load() if report.backend == "native" else None
+        kernels = qkernels.load() if report.backend == "native" and report.num_quantized else None
         if kernels is not None:
             kernels.set_num_threads(torch.get_num_threads())
             quant.use_native_attention(model, kernels)
-        return Prepared(report.describe(), is_native=kernels is not None)
-    return Prepared("float32")
+            if use_native_decoder(model, kernels):
+                return PreparedModel(report.describe() + "; layers run natively", is_native=True)
+        return PreparedModel(report.describe(), is_native=kernels is not None)
+    return PreparedModel("float32")
 
 
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:

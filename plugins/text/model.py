@@ -231,8 +231,11 @@ class TextModel(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Not persistent: it is derived from the config, never read from a checkpoint.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        #: the output head when it is not a plain matmul (``quant.RescoredHead``), else None
+        #: the output head when it is not a plain matmul (``quant``), else None
         self.head: nn.Module | None = None
+        #: runs the whole layer stack, ``(x, cos, sin, attn, kv_caches) -> x``, when set
+        #: (``native_decoder.use_native_decoder``); None: the layers' own forwards
+        self.decoder_impl: Callable[..., torch.Tensor] | None = None
         # cos / signed sin per position, grown on demand; rebuilt if inv_freq is replaced
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -270,8 +273,11 @@ class TextModel(nn.Module):
         """
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
         cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host))
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, attn, kv_cache)
+        if self.decoder_impl is not None:
+            x = self.decoder_impl(x, cos, sin, attn, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, attn, kv_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

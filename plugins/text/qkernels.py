@@ -1,17 +1,24 @@
-"""Native matmuls over GGUF weight blocks and paged attention (``qkernels.c``), compiled on first use.
+"""Native kernels for GGUF checkpoints on CPUs (``qkernels.c``), compiled on first use.
 
-torch's packed int4 CPU matmul is compute-bound for one or a few rows (it
-reaches about a third of memory bandwidth on a decode step) and only runs
-fast on bfloat16 activations. These kernels read GGUF's Q4_0 / Q4_1 / Q8_0
-blocks as stored, multiply float32 activations, and are memory-bound for the
-row counts of a decode step. Their result differs from a float32 matmul on
-the dequantized weights by summation order only.
+- ``block_matmul``: matmuls that read Q4_0 / Q4_1 / Q8_0 blocks as stored
+  and multiply float32 activations; the result differs from a float32
+  matmul on the dequantized weights by summation order only. (torch's packed
+  int4 CPU matmul needs bfloat16 activations for speed, which moves greedy
+  output away from the float32 path, and for the few rows of a decode step it
+  is limited by its unpacking more than by memory.)
+- ``paged_attention``: causal attention over the paged KV cache that computes
+  every query row on its own.
+- ``ifb_decoder_forward`` (see ``native_decoder``): a whole decoder stack per call.
 
-The C file is built once per machine with the system C compiler
-(``$CC``, else ``cc``) and ``-O3 -march=native`` into the user cache directory,
-keyed by the source, the compiler and the CPU's feature flags. Without a
+Work is split over a small pool of threads (``set_num_threads``) by output
+columns or (token, head) pairs, never inside a sum, so no result depends on
+the batch or the thread count.
+
+The C file is built once per machine with the system C compiler (``$CC``, else
+``cc``) and ``-O3 -march=native`` into the user cache directory, keyed by the
+source, the compiler, the flags and the CPU's feature flags. Without a
 compiler, or on a CPU with neither AVX2 nor AVX-512, ``load()`` returns None
-and the caller falls back (loudly) to another path.
+with a warning and the caller falls back to another path.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def _build(source: bytes, compiler: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / SOURCE_NAME, Path(tmp) / target.name
         src.write_bytes(source)
-        cmd = [compiler, *CFLAGS, "-o", str(lib), str(src), "-lpthread"]
+        cmd = [compiler, *CFLAGS, "-o", str(lib), str(src), "-lpthread", "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -74,18 +81,16 @@ def _build(source: bytes, compiler: str, target: Path) -> None:
 
 
 class Kernels:
-    """The loaded library: ``q4_matmul``, ``q8_matmul`` and ``paged_attention`` on torch tensors."""
+    """The loaded library: ``block_matmul`` and ``paged_attention`` on torch tensors."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.lib = lib
         self.path = path
         self.isa = int(lib.ifb_qk_isa())
         ptr, long = ctypes.c_void_p, ctypes.c_long
-        self._q4 = lib.ifb_q4_matmul
-        self._q4.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, ptr, long]
-        self._q4.restype = None
-        self._q8 = lib.ifb_q8_matmul
-        self._q8.argtypes = [ptr, long, long, ptr, ptr, ptr, ptr, long]
-        self._q8.restype = None
+        self._matmul = lib.ifb_block_matmul
+        self._matmul.argtypes = [ptr, long, long, ptr, ctypes.c_int, ptr, ptr, long]
+        self._matmul.restype = None
         self._attention = lib.ifb_paged_attention
         self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, long, ptr, long, ptr, ptr, long,
                                     ctypes.c_float, ptr]
@@ -103,26 +108,20 @@ class Kernels:
         """Split each matmul's output columns over ``n`` threads (helpers start on first use)."""
         self._set_threads(int(n))
 
-    def q4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K]`` float32 contiguous times 4-bit blocks ``codes [N, K/2]`` (``w = scale * q + minimum``)."""
-        m, k = x.shape
-        n = codes.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        self._q4(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
-                 None if bias is None else bias.data_ptr(), out.data_ptr(), n)
-        return out
+    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` times weight rows stored as GGUF blocks; float32 ``[M, N]``.
 
-    def q8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K]`` float32 contiguous times 8-bit blocks ``codes [N, K]`` int8 (``w = scale * q``)."""
+        ``blocks`` is ``[N, K / 32 * block bytes]`` uint8, contiguous, of ``kind`` 0 (Q4_0),
+        1 (Q4_1) or 2 (Q8_0); ``bias`` (``[N]``, contiguous float32) is optional.
+        """
+        x = _rows(x)
         m, k = x.shape
-        n = codes.shape[0]
+        n = blocks.shape[0]
         out = torch.empty(m, n, dtype=torch.float32)
-        self._q8(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                 None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, None if bias is None else bias.data_ptr(),
+                     out.data_ptr(), n)
         return out
-
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         attn: AttnMetadata) -> torch.Tensor:
@@ -140,11 +139,22 @@ class Kernels:
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
         if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64):
             raise ValueError("the native attention reads contiguous int64 attention metadata")
+        if k_cache.shape[1] != attn.block_size:
+            raise ValueError(f"KV cache blocks of {k_cache.shape[1]} slots, metadata for {attn.block_size}")
         out = torch.empty(t, hq, d, dtype=torch.float32)
         self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
                         v_cache.data_ptr(), attn.block_size, tables.data_ptr(), tables.shape[1],
                         starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
         return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the contiguous float32 matrix the C code reads."""
+    if x.dim() != 2:
+        raise ValueError(f"expected [rows, features], got {tuple(x.shape)}")
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    return x
 
 
 @functools.cache

@@ -39,8 +39,9 @@ log = logging.getLogger("ifb.text")
 Q = gguf.GGMLQuantizationType
 #: weights per block
 BLOCK = 32
-#: bytes per block, and whether the block stores a minimum (Q4_1)
-_LAYOUT = {Q.Q4_0: (18, False), Q.Q4_1: (20, True), Q.Q8_0: (34, False)}
+#: block types read as stored: the native kernels' kind number, and bytes per block
+KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
 #: projections fused at load: (fused name, parts in output order)
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
          ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
@@ -51,73 +52,60 @@ Backend = Literal["native", "torch-int4"]
 
 @attrs.frozen(eq=False)
 class BlockWeight:
-    """A GGUF matrix ``[N, K]`` split into arrays: codes and per-block scale (and minimum).
+    """A GGUF matrix ``[N, K]`` as stored: ``blocks`` is ``[N, K / 32 * block bytes]`` uint8.
 
-    4-bit: ``codes`` ``[N, K / 2]`` uint8 in GGUF's nibble order, ``w = scale * q + minimum``;
-    8-bit: ``codes`` ``[N, K]`` int8, ``w = scale * q`` (``minimum`` is None).
-    ``scale`` and ``minimum`` are ``[N, K / 32]`` float32.
+    Each row is its 32-weight blocks in GGUF's layout (float16 scale, for Q4_1
+    a float16 minimum, then the codes), rows in HF order.
     """
 
-    bits: int
-    codes: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor | None
+    qtype: gguf.GGMLQuantizationType
+    blocks: torch.Tensor
+    in_features: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        n, width = self.codes.shape
-        return n, width * 2 if self.bits == 4 else width
+        return self.blocks.shape[0], self.in_features
 
-    def unpacked_codes(self) -> torch.Tensor:
-        """``[N, K]`` int32 codes in weight order (0..15, or -128..127)."""
-        n, k = self.shape
-        if self.bits == 8:
-            return self.codes.to(torch.int32)
-        blocks = self.codes.view(n, k // BLOCK, BLOCK // 2)
-        # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one.
-        return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int32).view(n, k)
+    @property
+    def bits(self) -> int:
+        return 8 if self.qtype == Q.Q8_0 else 4
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight ``[N, K]``, computed as the float32 path computes it."""
-        n, k = self.shape
-        w = self.unpacked_codes().float().view(n, k // BLOCK, BLOCK) * self.scale[..., None]
-        if self.minimum is not None:
-            w = w + self.minimum[..., None]
-        return w.view(n, k)
+        """The float32 weight ``[N, K]``, as the float32 path computes it."""
+        values = gguf.quants.dequantize(self.blocks.numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
     def to_int4pack(self) -> quant_torch.Int4Weight:
         """The same 4-bit weight in torch int4pack's convention ``w = (q - 8) * scale + zero``."""
-        if self.bits != 4 or self.minimum is None:
+        if self.bits != 4:
             raise ValueError("only 4-bit weights map onto torch's int4 kernel")
-        return quant_torch.Int4Weight(self.unpacked_codes(), self.scale, self.minimum + 8 * self.scale)
+        n, k = self.shape
+        blocks = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.qtype])
+        scale = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+        packed = blocks[..., -16:]
+        # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one.
+        codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).to(torch.int32).view(n, k)
+        if self.qtype == Q.Q4_1:
+            zero = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0] + 8 * scale
+        else:  # Q4_0: w = d * (q - 8)
+            zero = torch.zeros_like(scale)
+        return quant_torch.Int4Weight(codes, scale, zero)
 
 
 def read_blocks(tensor: GGUFTensor) -> BlockWeight | None:
-    """A Q4_0 / Q4_1 / Q8_0 matrix's blocks as a ``BlockWeight``; None for any other type."""
-    if tensor.ggml_type not in _LAYOUT or len(tensor.shape) != 2:
+    """A Q4_0 / Q4_1 / Q8_0 matrix as a ``BlockWeight``; None for any other type."""
+    if tensor.ggml_type not in KINDS or len(tensor.shape) != 2:
         return None
     n, k = tensor.shape
-    nbytes, has_min = _LAYOUT[tensor.ggml_type]
-    blocks = np.ascontiguousarray(tensor.data).reshape(n, k // BLOCK, nbytes)
-    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    body = blocks[..., 4 if has_min else 2:].copy()
-    if tensor.ggml_type == Q.Q8_0:
-        return BlockWeight(8, torch.from_numpy(body.view(np.int8)).reshape(n, k), scale, None)
-    codes = torch.from_numpy(body).reshape(n, k // 2)
-    if has_min:
-        minimum = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    else:
-        minimum = -8 * scale  # Q4_0 stores w = d * (q - 8)
-    return BlockWeight(4, codes, scale, minimum)
+    data = np.ascontiguousarray(tensor.data).reshape(n, -1).copy()  # off the file's read-only map
+    return BlockWeight(tensor.ggml_type, torch.from_numpy(data), k)
 
 
 def concat(parts: list[BlockWeight]) -> BlockWeight:
-    """Stack weights of one kind along the output axis (a fused projection)."""
-    if len({p.bits for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+    """Stack weights of one type along the output axis (a fused projection): rows move whole."""
+    if len({p.qtype for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
         raise ValueError("fused parts need one block type and one input width")
-    minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])  # type: ignore[misc]
-    return BlockWeight(parts[0].bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                       minimum)
+    return BlockWeight(parts[0].qtype, torch.cat([p.blocks for p in parts]), parts[0].in_features)
 
 
 class BlockLinear(nn.Module):
@@ -126,25 +114,21 @@ class BlockLinear(nn.Module):
     def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.bits = weight.bits
-        self.register_buffer("codes", weight.codes.contiguous())
-        self.register_buffer("scale", weight.scale.contiguous())
-        self.register_buffer("minimum", None if weight.minimum is None else weight.minimum.contiguous())
+        self.qtype = weight.qtype
+        self.kind = KINDS[weight.qtype]
+        self.register_buffer("blocks", weight.blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # the C code would read past the rows
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
-        if self.bits == 4:
-            out = self.kernels.q4_matmul(rows, self.codes, self.scale, self.minimum, self.bias)
-        else:
-            out = self.kernels.q8_matmul(rows, self.codes, self.scale, self.bias)
+        out = self.kernels.block_matmul(rows, self.blocks, self.kind, self.bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits} (GGUF blocks)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks"
 
 
 @attrs.frozen
@@ -181,6 +165,8 @@ class _Swapper:
         self.backend = backend
         self.raw = raw
         self.kernels = qkernels.load() if backend == "native" else None
+        if backend == "native" and self.kernels is None:
+            raise RuntimeError("the native GGUF kernels cannot be built here (see the warning above)")
 
     def weight(self, name: str) -> BlockWeight | None:
         tensor = self.raw.get(f"{name}.weight")
@@ -190,8 +176,7 @@ class _Swapper:
         return block
 
     def module(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
-        if self.backend == "native":
-            assert self.kernels is not None
+        if self.kernels is not None:
             return BlockLinear(weight, bias, self.kernels)
         return quant_torch.Int4Linear(weight.to_int4pack(), bias)
 
@@ -208,7 +193,7 @@ def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int
         owner = getattr(layer, owner_name)
         weights = [swap.weight(f"{prefix}.{owner_name}.{p}") for p in parts]
         modules = [getattr(owner, p) for p in parts]
-        if all(w is not None for w in weights) and len({w.bits for w in weights}) == 1:  # type: ignore[union-attr]
+        if all(w is not None for w in weights) and len({w.qtype for w in weights}) == 1:  # type: ignore[union-attr]
             setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules)))  # type: ignore[arg-type]
             for p in parts:
                 delattr(owner, p)

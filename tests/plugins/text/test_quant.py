@@ -18,9 +18,11 @@ from ifb import LLM, SamplingParams
 from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
 from ifb_plugins.text import qkernels, quant, quant_torch
+from ifb_plugins.text.attention import build_attn_metadata, paged_attention
 from ifb_plugins.text.build import prepare_model, quantization_mode
 from ifb_plugins.text.gguf_loader import GGUFTensor, read_gguf_tensors
 from ifb_plugins.text.loader import build_model, load_checkpoint
+from ifb_plugins.text.native_decoder import NativeDecoder, use_native_decoder
 from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.helpers import submit_staggered
 from tests.plugins.text.test_loaders import prefill_logits
@@ -56,13 +58,14 @@ def test_blocks_dequantize_like_gguf(qtype: Q) -> None:
     ref = torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype))
     block = quant.read_blocks(tensor)
     assert block is not None and block.bits == (8 if qtype == Q.Q8_0 else 4) and block.shape == (48, 96)
-    # Q4_0's w = d * (q - 8) is rebuilt as d * q - 8 d: equal up to one rounding
-    assert torch.allclose(block.dequantize(), ref, rtol=0, atol=1e-6 if qtype == Q.Q4_0 else 0)
+    assert torch.equal(block.dequantize(), ref)
     assert quant.read_blocks(GGUFTensor("n", Q.F32, (4, 32), torch.zeros(4, 32).numpy())) is None
+    if qtype != Q.Q8_0:  # torch's int4 convention holds the same weights
+        assert torch.allclose(block.to_int4pack().dequantize(), ref, atol=1e-6)
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q) -> None:
     block = random_blocks(qtype, 80, 160, seed=1)
     linear = quant.BlockLinear(block, torch.randn(80), KERNELS)
@@ -70,6 +73,8 @@ def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q)
     ref = nn.functional.linear(x, block.dequantize(), linear.bias)
     full = linear(x)
     assert full.dtype == torch.float32 and torch.allclose(full, ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="expected 160 input features"):
+        linear(x[:, :96])
     threads = KERNELS.num_threads
     try:
         for n in (1, 2, 3):
@@ -81,11 +86,28 @@ def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q)
         KERNELS.set_num_threads(threads)
 
 
+@needs_kernels
+def test_native_attention_matches_the_torch_path_and_ignores_chunking() -> None:
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, block = 6, 2, 32, 4
+    k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=g) for _ in range(2))
+    # a decode, a later prefill chunk, a whole prompt and a first token, with scattered block tables
+    seqs = [(13, 1, [5, 9, 2, 30]), (6, 9, [10, 11, 35, 12]), (0, 12, [20, 21, 22]), (0, 1, [3])]
+    attn = build_attn_metadata(seqs, block)
+    q = torch.randn(attn.num_tokens, heads + kv_heads, dim, generator=g)[:, :heads]  # a strided view
+    full = KERNELS.paged_attention(q, k_cache, v_cache, attn)
+    assert torch.allclose(full, paged_attention(q, k_cache, v_cache, attn), atol=1e-5)
+    # sequence 1's tokens (flat rows 1..9) split into other chunks, or decoded one by one: same bits
+    for chunks in ([(6, 4), (10, 5)], [(6, 1), (7, 8)], [(p, 1) for p in range(6, 15)]):
+        rows = [KERNELS.paged_attention(q[1 + s0 - 6:1 + s0 - 6 + n], k_cache, v_cache,
+                                        build_attn_metadata([(s0, n, seqs[1][2])], block)) for s0, n in chunks]
+        assert torch.equal(torch.cat(rows), full[1:10])
+
+
 @needs_int4
 def test_torch_int4_fallback_is_close_and_row_invariant() -> None:
     block = random_blocks(Q.Q4_1, 96, 128, seed=3)
     linear = quant_torch.Int4Linear(block.to_int4pack())
-    assert torch.allclose(block.to_int4pack().dequantize(), block.dequantize(), atol=1e-5)
     x = torch.randn(11, 128, generator=torch.Generator().manual_seed(4))
     full = linear(x)
     ref = nn.functional.linear(x, block.dequantize())
@@ -104,7 +126,10 @@ def test_torch_int4_fallback_is_close_and_row_invariant() -> None:
 
 def quantized(path: Path, backend: quant.Backend) -> tuple[nn.Module, quant.QuantizationReport]:
     model = build_model(load_checkpoint(path))
-    return model, quant.quantize_model(model, read_gguf_tensors(path), backend)
+    report = quant.quantize_model(model, read_gguf_tensors(path), backend)
+    if backend == "native":
+        quant.use_native_attention(model, KERNELS)
+    return model, report
 
 
 @pytest.mark.parametrize("backend", [
@@ -137,6 +162,8 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         runtime = llm.deployment.runtime
         assert isinstance(runtime.model.model.layers[0].mlp.down_proj, quant.BlockLinear)
         assert runtime.step_torch_threads == 1
+        assert runtime.model.model.layers[0].self_attn.attention_impl.__func__ is qkernels.Kernels.paged_attention
+        assert isinstance(runtime.model.decoder_impl, NativeDecoder)
         alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
                  for p in PROMPTS]
         # staggered arrivals and a 16-token budget: chunked prefills share steps with decodes
@@ -151,6 +178,33 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         assert fp32.deployment.runtime.step_torch_threads is None
     finally:
         fp32.close()
+
+
+def blocks_of(model: nn.Module, qtype: Q = Q.Q4_1) -> dict[str, GGUFTensor]:
+    """Every 2-D weight of ``model`` quantized by gguf, as the loader's raw tensors would hold them."""
+    raw = {}
+    for name, w in model.state_dict().items():
+        if w.ndim == 2 and "embed_tokens" not in name:
+            raw[name] = GGUFTensor(name, qtype, tuple(w.shape), gguf.quants.quantize(w.float().numpy(), qtype))
+    return raw
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: str) -> None:
+    # qwen2 brings q/k/v biases, qwen3 the per-head q/k norms
+    loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, seed=11))
+    modules, native = build_model(loaded), build_model(loaded)
+    raw = blocks_of(modules)
+    for model in (modules, native):
+        quant.quantize_model(model, raw, "native")
+        quant.use_native_attention(model, KERNELS)
+    assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
+    ids = PROMPTS[3]
+    assert (prefill_logits(native, ids) - prefill_logits(modules, ids)).abs().max().item() < 1e-4
+    batched = greedy_generate_batch(native, PROMPTS, 10, block_size=4)
+    assert batched == [greedy_generate(native, p, 10, block_size=4) for p in PROMPTS]
+    assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
 
 
 def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: Path) -> None:

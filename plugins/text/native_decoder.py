@@ -1,0 +1,140 @@
+"""A quantized ``TextModel``'s whole decoder stack as one native call per step.
+
+Once every projection runs on GGUF blocks (``quant.BlockLinear``), what is left
+of a decode step in Python is dispatch: a few dozen small tensor operations per
+layer, each costing more than its arithmetic. ``NativeDecoder`` hands the layer
+loop to ``qkernels.c`` (``ifb_decoder_forward``): the same norms, fused Q/K/V
+and gate/up matmuls, RoPE, KV-cache writes, paged attention and residual adds,
+with the same per-row arithmetic as the per-module path, so a row's result
+still does not depend on its batch mates or on how its prompt was chunked.
+
+``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
+fits: every layer fused on blocks, float32 norms, and (checked per step)
+float32 contiguous KV caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ifb_plugins.text.attention import AttnMetadata
+from ifb_plugins.text.qkernels import Kernels
+from ifb_plugins.text.quant import BlockLinear
+
+_ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", _long), ("blocks", _ptr), ("bias", _ptr), ("n", _long), ("k", _long)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("num_layers", _long), ("hidden", _long), ("intermediate", _long), ("hq", _long),
+                ("hkv", _long), ("d", _long), ("eps", _float), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("t", _long), ("rope", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr), ("width", _long),
+                ("query_start_loc", _ptr), ("seq_lens", _ptr), ("num_seqs", _long), ("block_size", _long),
+                ("k_caches", ctypes.POINTER(_ptr)), ("v_caches", ctypes.POINTER(_ptr))]
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _weight(linear: BlockLinear) -> _Weight:
+    return _Weight(linear.kind, linear.blocks.data_ptr(), _ptr_of(linear.bias), linear.out_features,
+                   linear.in_features)
+
+
+def _fits(model: nn.Module) -> bool:
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, BlockLinear) for m in modules):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if model.config.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+            return False
+    return True
+
+
+class NativeDecoder:
+    """``TextModel.decoder_impl``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack."""
+
+    def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+        c = model.config
+        self._forward = kernels.lib.ifb_decoder_forward
+        self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]
+        self._forward.restype = ctypes.c_int
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                attn.q_norm.weight.data_ptr() if c.qk_norm else None,
+                attn.k_norm.weight.data_ptr() if c.qk_norm else None,
+                _weight(attn.qkv_proj), _weight(attn.o_proj), _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                                 c.head_dim, c.rms_norm_eps, self._layers)
+        self._model = model  # keeps the weights the pointers above point into alive
+        self._caches: tuple[tuple[int, ...], object, object] | None = None
+
+    def _cache_arrays(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, object]:
+        ptrs = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._caches is None or self._caches[0] != ptrs:
+            c = self._model.config
+            shape = (c.num_kv_heads, c.head_dim)
+            for k, v in kv_caches:
+                for cache in (k, v):
+                    if cache.dtype != torch.float32 or not cache.is_contiguous() or tuple(cache.shape[2:]) != shape:
+                        raise ValueError("the native decoder needs contiguous float32 KV caches [blocks, slots, "
+                                         f"{shape[0]}, {shape[1]}]")
+            n = len(kv_caches)
+            self._caches = (ptrs, (_ptr * n)(*ptrs[0::2]), (_ptr * n)(*ptrs[1::2]))
+        return self._caches[1], self._caches[2]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        t, d = x.shape[0], self._decoder.d
+        if len(kv_caches) != self._decoder.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self._decoder.num_layers} layers")
+        # TextModel._rope hands out cos / sin as views of one [T, 2, D] table; rebuild it otherwise.
+        if cos.dtype == torch.float32 and cos.stride(0) == 2 * d and sin.data_ptr() == cos.data_ptr() + 4 * d:
+            rope, keep = cos.data_ptr(), None
+        else:
+            keep = torch.stack((cos.reshape(t, d), sin.reshape(t, d)), dim=1).float().contiguous()
+            rope = keep.data_ptr()
+        k_ptrs, v_ptrs = self._cache_arrays(kv_caches)
+        tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
+        if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64
+                and attn.slot_mapping.dtype == torch.int64 and kv_caches[0][0].shape[1] == attn.block_size):
+            raise ValueError("the native decoder reads contiguous int64 attention metadata matching the cache")
+        out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
+        step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
+                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs)
+        if self._forward(ctypes.byref(self._decoder), ctypes.byref(step), out.data_ptr()) != 0:
+            raise MemoryError("the native decoder could not allocate its work buffers")
+        del keep
+        return out
+
+
+def use_native_decoder(model: nn.Module, kernels: Kernels) -> bool:
+    """Install ``NativeDecoder`` as ``model.decoder_impl`` when every layer fits; returns whether it did."""
+    if not _fits(model):
+        return False
+    model.decoder_impl = NativeDecoder(model, kernels)
+    return True
