@@ -32,13 +32,16 @@
 #include <immintrin.h>
 #define IFB_ISA 512
 #define TILE_ROWS 4
+#define PANEL_ROWS 6 /* 6 x 4 accumulators + 2 weight registers, of 32 */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define IFB_ISA 256
 #define TILE_ROWS 2 /* 2 x 4 accumulators + 4 weight + 4 x registers, of 16 */
+#define PANEL_ROWS 3 /* 3 x 4 accumulators + 4 weight registers; x is read by the multiply-adds */
 #else
 #define IFB_ISA 0
 #define TILE_ROWS 4
+#define PANEL_ROWS 4
 #endif
 
 #define QK 32 /* weights per block */
@@ -116,6 +119,16 @@ INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
     a->hi[odd] = _mm512_fmadd_ps(w->hi, x->hi, a->hi[odd]);
 }
 
+INLINE void store_w(float *dst, const wblk *w) {
+    _mm512_storeu_ps(dst, w->lo);
+    _mm512_storeu_ps(dst + 16, w->hi);
+}
+
+INLINE void load_w(wblk *w, const float *src) {
+    w->lo = _mm512_loadu_ps(src);
+    w->hi = _mm512_loadu_ps(src + 16);
+}
+
 INLINE float acc_sum(const vacc *a) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a->lo[0], a->hi[0]), _mm512_add_ps(a->lo[1], a->hi[1])));
 }
@@ -164,6 +177,14 @@ INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
     for (int i = 0; i < 4; i++) a->v[i] = _mm256_fmadd_ps(w->v[i], x->v[i], a->v[i]);
 }
 
+INLINE void store_w(float *dst, const wblk *w) {
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, w->v[i]);
+}
+
+INLINE void load_w(wblk *w, const float *src) {
+    for (int i = 0; i < 4; i++) w->v[i] = _mm256_loadu_ps(src + 8 * i);
+}
+
 INLINE float acc_sum(const vacc *a) {
     __m256 s = _mm256_add_ps(_mm256_add_ps(a->v[0], a->v[1]), _mm256_add_ps(a->v[2], a->v[3]));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -204,6 +225,14 @@ INLINE void load_x(xblk *x, const float *p) { x->p = p; }
 INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
     (void)odd;
     for (int i = 0; i < QK; i++) a->s += w->v[i] * x->p[i];
+}
+
+INLINE void store_w(float *dst, const wblk *w) {
+    for (int i = 0; i < QK; i++) dst[i] = w->v[i];
+}
+
+INLINE void load_w(wblk *w, const float *src) {
+    for (int i = 0; i < QK; i++) w->v[i] = src[i];
 }
 
 INLINE float acc_sum(const vacc *a) { return a->s; }
@@ -294,7 +323,7 @@ INLINE void tile(const matmul_t *job, const float *x, int rows, long j, float *o
 
 #define TILE_CALL(R) tile(job, x, R, j, job->y + r0 * n + j, kind)
 
-/* Output columns [j0, j1) of a job. */
+/* Output columns [j0, j1) of a job, unpacking each block once per row tile (few rows: decode). */
 INLINE void columns(const matmul_t *job, long j0, long j1, int kind) {
     long m = job->m, n = job->n, k = job->k;
     for (long c0 = j0; c0 < j1; c0 += CHUNK) {
@@ -316,7 +345,107 @@ INLINE void columns(const matmul_t *job, long j0, long j1, int kind) {
     }
 }
 
+/* ---- many rows (prefill): unpack a panel of columns once, then run every row tile over it ----
+ * The unpacked weights are the very values load_block produces and each row accumulates them in
+ * the same order with the same accumulators as tile(), so a row's result is bit-identical
+ * whichever path computes it. */
+
+/* Rows from which the panel path pays for its unpacking pass. */
+#define PANEL_MIN_ROWS (2 * PANEL_ROWS)
+/* Unpacked floats per panel, and x floats per row block: both stay in L2 while the row tiles
+ * pass over the panel. */
+#define PANEL_FLOATS 16384L
+#define X_BLOCK_FLOATS 65536L
+
+static __thread float *panel_buf;
+static __thread long panel_cap;
+
+/* Column j for `rows` rows starting at x, its unpacked weights at w ([k] floats). */
+INLINE void panel_tile(const matmul_t *job, const float *x, int rows, const float *w, long j, float *out) {
+    long k = job->k, n = job->n, nb = k / QK;
+    vacc acc[PANEL_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) acc_zero(&acc[r]);
+    for (long b = 0; b < nb; b += 2) {
+        wblk wb;
+        load_w(&wb, w + b * QK);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            xblk xv;
+            load_x(&xv, x + r * k + b * QK);
+            acc_block(&acc[r], &wb, &xv, 0);
+        }
+        if (b + 1 == nb) break;
+        load_w(&wb, w + (b + 1) * QK);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            xblk xv;
+            load_x(&xv, x + r * k + (b + 1) * QK);
+            acc_block(&acc[r], &wb, &xv, 1);
+        }
+    }
+    float bias = job->bias ? job->bias[j] : 0.0f;
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; r++) out[r * n] = acc_sum(&acc[r]) + bias;
+}
+
+#define PANEL_CALL(R) panel_tile(job, x, R, panel_buf + (j - c0) * k, j, job->y + r0 * n + j)
+
+/* Output columns [j0, j1) through the panel buffer; 0 when the buffer cannot be had. Rows go in
+ * blocks whose x stays in L2 while every panel of the columns passes over it. */
+INLINE int panel_columns(const matmul_t *job, long j0, long j1, int kind) {
+    long m = job->m, n = job->n, k = job->k, nb = k / QK;
+    long width = PANEL_FLOATS / k > 0 ? PANEL_FLOATS / k : 1; /* columns per panel */
+    long height = X_BLOCK_FLOATS / k / PANEL_ROWS * PANEL_ROWS; /* rows per block */
+    if (height < PANEL_ROWS) height = PANEL_ROWS;
+    if (panel_cap < width * k) {
+        float *buf = (float *)realloc(panel_buf, sizeof(float) * (size_t)(width * k));
+        if (buf == NULL) return 0;
+        panel_buf = buf;
+        panel_cap = width * k;
+    }
+    for (long h0 = 0; h0 < m; h0 += height) {
+        long h1 = h0 + height < m ? h0 + height : m;
+        for (long c0 = j0; c0 < j1; c0 += width) {
+            long c1 = c0 + width < j1 ? c0 + width : j1;
+            for (long j = c0; j < c1; j++)
+                for (long b = 0; b < nb; b++) {
+                    wblk w;
+                    load_block(&w, job, j, b, kind);
+                    store_w(panel_buf + (j - c0) * k + b * QK, &w);
+                }
+            for (long r0 = h0; r0 < h1; r0 += PANEL_ROWS) {
+                int rows = h1 - r0 < PANEL_ROWS ? (int)(h1 - r0) : PANEL_ROWS;
+                const float *x = job->x + r0 * k;
+                for (long j = c0; j < c1; j++) {
+                    switch (rows) {
+                    case 1: PANEL_CALL(1); break;
+                    case 2: PANEL_CALL(2); break;
+#if PANEL_ROWS > 3
+                    case 3: PANEL_CALL(3); break;
+#endif
+#if PANEL_ROWS > 4
+                    case 4: PANEL_CALL(4); break;
+#endif
+#if PANEL_ROWS > 5
+                    case 5: PANEL_CALL(5); break;
+#endif
+                    default: PANEL_CALL(PANEL_ROWS); break;
+                    }
+                }
+            }
+        }
+    }
+    return 1;
+}
+
 static void run_columns(const matmul_t *job, long j0, long j1) {
+    if (job->m >= PANEL_MIN_ROWS) {
+        int done = job->kind == Q4_0   ? panel_columns(job, j0, j1, Q4_0)
+                   : job->kind == Q4_1 ? panel_columns(job, j0, j1, Q4_1)
+                                       : panel_columns(job, j0, j1, Q8_0);
+        if (done) return;
+    }
     if (job->kind == Q4_0)
         columns(job, j0, j1, Q4_0);
     else if (job->kind == Q4_1)

@@ -15,8 +15,9 @@ columns or (token, head) pairs, never inside a sum, so no result depends on
 the batch or the thread count.
 
 The C file is built once per machine with the system C compiler (``$CC``, else
-``cc``) and ``-O3 -march=native`` into the user cache directory, keyed by the
-source, the compiler, the flags and the CPU's feature flags. Without a
+``cc``) and ``-O3 -march=native`` (``$IFB_KERNEL_MARCH`` replaces ``native``,
+e.g. ``x86-64-v3`` for the AVX2 code on an AVX-512 CPU) into the user cache
+directory, keyed by the source, the compiler, the flags and the CPU's feature flags. Without a
 compiler, or on a CPU with neither AVX2 nor AVX-512, ``load()`` returns None
 with a warning and the caller falls back to another path.
 """
@@ -43,8 +44,8 @@ from ifb_plugins.text.attention import AttnMetadata
 log = logging.getLogger("ifb.text")
 
 SOURCE_NAME = "qkernels.c"
-#: exact float32 arithmetic (no fused multiply-add contraction), tuned for this CPU
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
+#: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
+CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 def cache_dir() -> Path:
@@ -68,12 +69,12 @@ def _compiler() -> str | None:
     return shutil.which(name)
 
 
-def _build(source: bytes, compiler: str, target: Path) -> None:
+def _build(source: bytes, compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, lib = Path(tmp) / SOURCE_NAME, Path(tmp) / target.name
         src.write_bytes(source)
-        cmd = [compiler, *CFLAGS, "-o", str(lib), str(src), "-lpthread", "-lm"]
+        cmd = [compiler, *flags, "-o", str(lib), str(src), "-lpthread", "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
@@ -157,9 +158,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def load(march: str | None = None) -> Kernels | None:
+    """The compiled kernels, building them on first use; None (with a warning) when that is impossible.
+
+    ``march``: the ``-march`` target, by default ``$IFB_KERNEL_MARCH`` or ``native``.
+    """
+    return _load(march or os.environ.get("IFB_KERNEL_MARCH") or "native")
+
+
 @functools.cache
-def load() -> Kernels | None:
-    """The compiled kernels, building them on first use; None (with a warning) when that is impossible."""
+def _load(march: str) -> Kernels | None:
     try:
         source = resources.files("ifb_plugins.text").joinpath(SOURCE_NAME).read_bytes()
     except OSError as exc:
@@ -174,13 +182,14 @@ def load() -> Kernels | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native GGUF kernels unavailable: %s --version failed (%s)", compiler, exc)
         return None
-    parts = [source, version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()]
+    flags = (*CFLAGS, f"-march={march}")
+    parts = [source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"qkernels-{key}.so"
     try:
         if not target.exists():
             log.info("compiling native GGUF kernels into %s", target)
-            _build(source, compiler, target)
+            _build(source, compiler, flags, target)
         kernels = Kernels(ctypes.CDLL(str(target)), target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("native GGUF kernels unavailable: %s", exc)

@@ -31,6 +31,8 @@ Q = gguf.GGMLQuantizationType
 KERNELS = qkernels.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
 needs_int4 = pytest.mark.skipif(not quant_torch.supported(), reason="torch has no int4 CPU kernel")
+# The AVX2 code as well where the CPU would otherwise build only the AVX-512 one.
+KERNEL_BUILDS = [KERNELS] + ([qkernels.load("x86-64-v3")] if KERNELS is not None and KERNELS.isa == 512 else [])
 PROMPTS = [[5, 17, 33], list(range(40, 61)), [7] * 9, list(range(100, 137))]
 
 
@@ -66,24 +68,30 @@ def test_blocks_dequantize_like_gguf(qtype: Q) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q) -> None:
-    block = random_blocks(qtype, 80, 160, seed=1)
-    linear = quant.BlockLinear(block, torch.randn(80), KERNELS)
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: ["native", "avx2"][i])
+def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q, build: int) -> None:
+    kernels = KERNEL_BUILDS[build]
+    assert kernels is not None and kernels.isa in (256, 512)
+    # 130 columns of 160: the many-row path unpacks them in two panels
+    block = random_blocks(qtype, 130, 160, seed=1)
+    linear = quant.BlockLinear(block, torch.randn(130), kernels)
     x = torch.randn(23, 160, generator=torch.Generator().manual_seed(2))
     ref = nn.functional.linear(x, block.dequantize(), linear.bias)
     full = linear(x)
     assert full.dtype == torch.float32 and torch.allclose(full, ref, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="expected 160 input features"):
         linear(x[:, :96])
-    threads = KERNELS.num_threads
+    threads = kernels.num_threads
     try:
         for n in (1, 2, 3):
-            KERNELS.set_num_threads(n)
-            # every row alone, and every window of rows, gives the bits it gave in the full batch
+            kernels.set_num_threads(n)
+            # every row alone, and every window of rows (few rows: decode tiles; many: unpacked
+            # panels), gives the bits it gave in the full batch
             assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(23))
-            assert all(torch.equal(linear(x[i:i + w]), full[i:i + w]) for w in (2, 5, 9) for i in range(0, 23 - w))
+            assert all(torch.equal(linear(x[i:i + w]), full[i:i + w])
+                       for w in (2, 5, 9, 13, 17) for i in range(0, 23 - w))
     finally:
-        KERNELS.set_num_threads(threads)
+        kernels.set_num_threads(threads)
 
 
 @needs_kernels
@@ -226,7 +234,7 @@ def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyP
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("IFB_KERNEL_CACHE", str(tmp_path / "kernels"))
-    qkernels.load.cache_clear()
+    qkernels._load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="ifb.text"):
             assert qkernels.load() is None
@@ -234,4 +242,4 @@ def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyP
         assert "no C compiler" in caplog.text
         assert backend == ("torch-int4" if quant_torch.supported() else None)
     finally:
-        qkernels.load.cache_clear()
+        qkernels._load.cache_clear()
