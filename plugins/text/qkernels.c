@@ -1,8 +1,9 @@
 /* Native kernels for GGUF checkpoints on CPUs (see qkernels.py): matmuls over weight blocks
  * with float32 activations, paged attention, and a whole Llama-family decoder stack.
  *
- * Matmul: y[r, j] = sum_k x[r, k] * w[j, k] + bias[j], each weight row stored as GGUF stores it,
- * blocks of 32 weights with a float16 scale d (and minimum m):
+ * Matmul: y[r, j] = sum_k x[r, k] * w[j, k] + bias[j], the weight rows stored as GGUF stores them,
+ * blocks of 32 weights with a float16 scale d (and minimum m), regrouped at load time so that 16
+ * output columns sit side by side (ifb_interleave, below):
  *   Q4_0 (18 bytes: d, 16 code bytes)    w = d * (q - 8), q in 0..15
  *   Q4_1 (20 bytes: d, m, 16 code bytes) w = d * q + m
  *   Q8_0 (34 bytes: d, 32 int8 codes)    w = d * q
@@ -12,8 +13,8 @@
  * differs from a float32 matmul on the dequantized matrix by summation order only.
  *
  * Batch invariance: every output element is computed by the same sequence of operations
- * whatever the number of rows in the call, the tiling, or the threads (work is split by
- * output columns, or by attention (token, head) pairs, never inside a sum), so a sequence's
+ * whatever the number of rows in the call, the tiling, or the threads (work is split by groups
+ * of output columns, or by attention (token, head) pairs, never inside a sum), so a sequence's
  * result never depends on its batch mates.
  */
 #define _GNU_SOURCE
@@ -25,23 +26,14 @@
 #include <stdlib.h>
 #include <time.h>
 
-/* A tile is one output column for TILE_ROWS rows of x (more columns per tile, reading several
- * weight rows at once, measured slower on a decode step); its accumulators, the column's
- * unpacked block and one row's x must fit the vector registers. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define IFB_ISA 512
-#define TILE_ROWS 4
-#define PANEL_ROWS 6 /* 6 x 4 accumulators + 2 weight registers, of 32 */
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define IFB_ISA 256
-#define TILE_ROWS 2 /* 2 x 4 accumulators + 4 weight + 4 x registers, of 16 */
-#define PANEL_ROWS 3 /* 3 x 4 accumulators + 4 weight registers; x is read by the multiply-adds */
 #else
 #define IFB_ISA 0
-#define TILE_ROWS 4
-#define PANEL_ROWS 4
 #endif
 
 #define QK 32 /* weights per block */
@@ -80,177 +72,443 @@ INLINE float half_at(const uint8_t *p) {
 
 int ifb_qk_isa(void) { return IFB_ISA; }
 
-/* ---- one block's weights (wblk), a row's accumulators (vacc) ---- */
+/* ---- matmuls ----
+ * The weights are first interleaved (ifb_interleave): output columns go in groups of 16, and for
+ * each group and each 32-weight block the group's 16 scales (and minima) come first, then the codes
+ * with the 16 columns side by side, so that one vector load yields the same weight of 16 columns.
+ * A group's block is the 16 columns' GGUF blocks with their bytes transposed: the same size.
+ *   Q4_0: 16 d, then 16 x 16 code bytes    (byte i of column c: weights i and i + 16, as in GGUF)
+ *   Q4_1: 16 d, 16 m, then 16 x 16 code bytes
+ *   Q8_0: 16 d, then 32 x 16 codes
+ * A tile is R rows by C groups; each output element has one accumulator that takes the products in
+ * one fixed order (block by block; within a block weights 0, 16, 1, 17, ..., 15, 31), whatever
+ * R and C are: a row's result never depends on its batch mates. */
+
+#define GROUP 16
+
+typedef struct {
+    int kind;              /* Q4_0, Q4_1 or Q8_0 */
+    const float *x;        /* [m, k] */
+    long m, k, n;
+    const uint8_t *blocks; /* interleaved, [ceil(n / 16) groups][k / 32 blocks] */
+    const float *bias;     /* [n] or NULL */
+    float *y;              /* [m, n] */
+} matmul_t;
+
+/* Bytes of one group's block. */
+INLINE long group_bytes(int kind) { return GROUP * BLOCK_BYTES[kind]; }
+
+/* GGUF rows [n, k / 32 blocks] -> interleaved groups; columns past n (the last group's padding)
+ * get zero scales, so their weights are zero. */
+void ifb_interleave(const uint8_t *src, long n, long k, int kind, uint8_t *dst) {
+    long nb = k / QK, bb = BLOCK_BYTES[kind], groups = (n + GROUP - 1) / GROUP;
+    long head = kind == Q4_1 ? 4 : 2, codes = bb - head; /* bytes of scales, of codes, per block */
+    for (long g = 0; g < groups; g++)
+        for (long b = 0; b < nb; b++) {
+            uint8_t *out = dst + (g * nb + b) * GROUP * bb;
+            for (long c = 0; c < GROUP; c++) {
+                long j = g * GROUP + c;
+                const uint8_t *blk = j < n ? src + (j * nb + b) * bb : NULL;
+                for (long h = 0; h < head; h += 2) { /* d (then m): 16 halves each */
+                    out[(h / 2) * 2 * GROUP + 2 * c] = blk ? blk[h] : 0;
+                    out[(h / 2) * 2 * GROUP + 2 * c + 1] = blk ? blk[h + 1] : 0;
+                }
+                for (long i = 0; i < codes; i++) out[head * GROUP + i * GROUP + c] = blk ? blk[head + i] : 0;
+            }
+        }
+}
 
 #if IFB_ISA == 512
 
-typedef struct { __m512 lo, hi; } wblk;        /* weights 0-15 and 16-31 */
-typedef struct { __m512 lo[2], hi[2]; } vacc;  /* even and odd blocks: four FMA chains per row */
+#ifndef MAX_R
+#define MAX_R 8 /* 8 x 2 accumulators + 2 x 2 weight registers (+ scales), of 32 */
+#define MAX_C 2
+#endif
+typedef __m512 vec;
+#define VZERO _mm512_setzero_ps
+#define VFMA(w, xp, acc) _mm512_fmadd_ps(w, _mm512_set1_ps(*(xp)), acc)
 
-/* Q4_1 (minimum m) or Q4_0 (`centered`: w = d * (q - 8)). */
-INLINE void load_q4(wblk *w, const uint8_t *q, float d, float m, int centered) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    /* the 16 values a code can stand for, then a lookup: vpermps reads an index's low 4 bits */
-    __m512 table = centered ? _mm512_mul_ps(_mm512_set1_ps(d), iota8)
-                            : _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d)), _mm512_set1_ps(m));
-    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    w->lo = _mm512_permutexvar_ps(codes, table);
-    w->hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+INLINE vec halves16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* Weights i and i + 16 of 16 columns from their code bytes. */
+INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    __m512i l = _mm512_and_si512(c, _mm512_set1_epi32(0x0F)), h = _mm512_srli_epi32(c, 4);
+    if (centered) {
+        __m512i eight = _mm512_set1_epi32(8);
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l, eight)), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(h, eight)), d);
+    } else {
+        *lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(l), d), m);
+        *hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), d), m);
+    }
 }
 
-INLINE void load_q8(wblk *w, const int8_t *q, float d) {
-    __m512 scale = _mm512_set1_ps(d);
-    w->lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
-    w->hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), scale);
+INLINE vec q8_one(const int8_t *q, vec d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
 }
 
-typedef struct { __m512 lo, hi; } xblk;
-
-INLINE void load_x(xblk *v, const float *x) {
-    v->lo = _mm512_loadu_ps(x);
-    v->hi = _mm512_loadu_ps(x + 16);
+INLINE void store_group(float *y, vec v, long valid) {
+    if (valid >= GROUP)
+        _mm512_storeu_ps(y, v);
+    else
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << valid) - 1u), v);
 }
 
-INLINE void acc_zero(vacc *a) { a->lo[0] = a->hi[0] = a->lo[1] = a->hi[1] = _mm512_setzero_ps(); }
-
-INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
-    a->lo[odd] = _mm512_fmadd_ps(w->lo, x->lo, a->lo[odd]);
-    a->hi[odd] = _mm512_fmadd_ps(w->hi, x->hi, a->hi[odd]);
+INLINE vec load_bias(const float *bias, long valid) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    return valid >= GROUP ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1u), bias);
 }
 
-INLINE void store_w(float *dst, const wblk *w) {
-    _mm512_storeu_ps(dst, w->lo);
-    _mm512_storeu_ps(dst + 16, w->hi);
-}
-
-INLINE void load_w(wblk *w, const float *src) {
-    w->lo = _mm512_loadu_ps(src);
-    w->hi = _mm512_loadu_ps(src + 16);
-}
-
-INLINE float acc_sum(const vacc *a) {
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a->lo[0], a->hi[0]), _mm512_add_ps(a->lo[1], a->hi[1])));
-}
+INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 
 INLINE void cpu_relax(void) { _mm_pause(); }
 
 #elif IFB_ISA == 256
 
-typedef struct { __m256 v[4]; } wblk;  /* weights 0-7, 8-15, 16-23, 24-31 */
-typedef struct { __m256 v[4]; } vacc;
+/* AVX2 has 8 lanes: a "vector" of 16 columns is two registers. */
+#define MAX_R 4 /* 4 x 2 accumulators + 4 weight registers + a broadcast, of 16 */
+#define MAX_C 1
+typedef struct { __m256 a, b; } vec;
+INLINE vec VZERO(void) { vec v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+INLINE vec vfma(vec w, const float *xp, vec acc) {
+    __m256 x = _mm256_broadcast_ss(xp);
+    vec r = {_mm256_fmadd_ps(w.a, x, acc.a), _mm256_fmadd_ps(w.b, x, acc.b)};
+    return r;
+}
+#define VFMA(w, xp, acc) vfma(w, xp, acc)
 
-INLINE void load_q4(wblk *w, const uint8_t *q, float d, float m, int centered) {
-    const __m256i low = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
-    __m256 scale = _mm256_set1_ps(d), minimum = _mm256_set1_ps(m);
-    __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-    __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
-    __m256i codes[4] = {_mm256_and_si256(c0, low), _mm256_and_si256(c1, low),
-                        _mm256_srli_epi32(c0, 4), _mm256_srli_epi32(c1, 4)};
-    for (int i = 0; i < 4; i++) {
-        if (centered)
-            w->v[i] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(codes[i], eight)));
-        else
-            w->v[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes[i]), scale), minimum);
+INLINE vec halves16(const uint8_t *p) {
+    vec v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))};
+    return v;
+}
+
+INLINE __m256 q4_half(__m128i bytes8, __m256 d, __m256 m, int centered, int high) {
+    __m256i c = _mm256_cvtepu8_epi32(bytes8);
+    c = high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
+    if (centered) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8))), d);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), d), m);
+}
+
+INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
+    __m128i b0 = _mm_loadl_epi64((const __m128i *)q), b1 = _mm_loadl_epi64((const __m128i *)(q + 8));
+    lo->a = q4_half(b0, d.a, m.a, centered, 0);
+    lo->b = q4_half(b1, d.b, m.b, centered, 0);
+    hi->a = q4_half(b0, d.a, m.a, centered, 1);
+    hi->b = q4_half(b1, d.b, m.b, centered, 1);
+}
+
+INLINE vec q8_one(const int8_t *q, vec d) {
+    vec v = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), d.a),
+             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))),
+                           d.b)};
+    return v;
+}
+
+INLINE void store_group(float *y, vec v, long valid) {
+    if (valid >= GROUP) {
+        _mm256_storeu_ps(y, v.a);
+        _mm256_storeu_ps(y + 8, v.b);
+        return;
     }
+    float tmp[GROUP];
+    _mm256_storeu_ps(tmp, v.a);
+    _mm256_storeu_ps(tmp + 8, v.b);
+    for (long c = 0; c < valid; c++) y[c] = tmp[c];
 }
 
-INLINE void load_q8(wblk *w, const int8_t *q, float d) {
-    __m256 scale = _mm256_set1_ps(d);
-    for (int i = 0; i < 4; i++)
-        w->v[i] = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i)))), scale);
+INLINE vec load_bias(const float *bias, long valid) {
+    float tmp[GROUP] = {0};
+    if (bias != NULL)
+        for (long c = 0; c < valid && c < GROUP; c++) tmp[c] = bias[c];
+    vec v = {_mm256_loadu_ps(tmp), _mm256_loadu_ps(tmp + 8)};
+    return v;
 }
 
-INLINE void acc_zero(vacc *a) {
-    for (int i = 0; i < 4; i++) a->v[i] = _mm256_setzero_ps();
+INLINE vec vadd(vec a, vec b) {
+    vec r = {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)};
+    return r;
 }
-
-typedef struct { __m256 v[4]; } xblk;
-
-INLINE void load_x(xblk *x, const float *p) {
-    for (int i = 0; i < 4; i++) x->v[i] = _mm256_loadu_ps(p + 8 * i);
+INLINE vec vload(const float *p) {
+    vec v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return v;
 }
-
-INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
-    (void)odd;
-    for (int i = 0; i < 4; i++) a->v[i] = _mm256_fmadd_ps(w->v[i], x->v[i], a->v[i]);
-}
-
-INLINE void store_w(float *dst, const wblk *w) {
-    for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, w->v[i]);
-}
-
-INLINE void load_w(wblk *w, const float *src) {
-    for (int i = 0; i < 4; i++) w->v[i] = _mm256_loadu_ps(src + 8 * i);
-}
-
-INLINE float acc_sum(const vacc *a) {
-    __m256 s = _mm256_add_ps(_mm256_add_ps(a->v[0], a->v[1]), _mm256_add_ps(a->v[2], a->v[3]));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+INLINE void vstore(float *p, vec v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
 }
 
 INLINE void cpu_relax(void) { _mm_pause(); }
 
 #else
 
-typedef struct { float v[QK]; } wblk;
-typedef struct { float s; } vacc;
+#define MAX_R 4
+#define MAX_C 1
+typedef struct { float v[GROUP]; } vec;
+INLINE vec VZERO(void) { vec r = {{0}}; return r; }
+INLINE vec vfma_s(vec w, const float *xp, vec acc) {
+    for (int c = 0; c < GROUP; c++) acc.v[c] = acc.v[c] + w.v[c] * *xp;
+    return acc;
+}
+#define VFMA(w, xp, acc) vfma_s(w, xp, acc)
 
-INLINE void load_q4(wblk *w, const uint8_t *q, float d, float m, int centered) {
-    for (int i = 0; i < 16; i++) {
-        if (centered) {
-            w->v[i] = d * (float)((q[i] & 0x0F) - 8);
-            w->v[i + 16] = d * (float)((q[i] >> 4) - 8);
-        } else {
-            w->v[i] = (float)(q[i] & 0x0F) * d + m;
-            w->v[i + 16] = (float)(q[i] >> 4) * d + m;
-        }
+INLINE vec halves16(const uint8_t *p) {
+    vec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = half_at(p + 2 * c);
+    return r;
+}
+
+INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
+    for (int c = 0; c < GROUP; c++) {
+        int l = q[c] & 0x0F, h = q[c] >> 4;
+        lo->v[c] = centered ? (float)(l - 8) * d.v[c] : (float)l * d.v[c] + m.v[c];
+        hi->v[c] = centered ? (float)(h - 8) * d.v[c] : (float)h * d.v[c] + m.v[c];
     }
 }
 
-INLINE void load_q8(wblk *w, const int8_t *q, float d) {
-    for (int i = 0; i < QK; i++) w->v[i] = (float)q[i] * d;
+INLINE vec q8_one(const int8_t *q, vec d) {
+    vec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = (float)q[c] * d.v[c];
+    return r;
 }
 
-INLINE void acc_zero(vacc *a) { a->s = 0.0f; }
-
-typedef struct { const float *p; } xblk;
-
-INLINE void load_x(xblk *x, const float *p) { x->p = p; }
-
-INLINE void acc_block(vacc *a, const wblk *w, const xblk *x, int odd) {
-    (void)odd;
-    for (int i = 0; i < QK; i++) a->s += w->v[i] * x->p[i];
+INLINE void store_group(float *y, vec v, long valid) {
+    for (long c = 0; c < valid && c < GROUP; c++) y[c] = v.v[c];
 }
 
-INLINE void store_w(float *dst, const wblk *w) {
-    for (int i = 0; i < QK; i++) dst[i] = w->v[i];
+INLINE vec load_bias(const float *bias, long valid) {
+    vec r = {{0}};
+    if (bias != NULL)
+        for (long c = 0; c < valid && c < GROUP; c++) r.v[c] = bias[c];
+    return r;
 }
 
-INLINE void load_w(wblk *w, const float *src) {
-    for (int i = 0; i < QK; i++) w->v[i] = src[i];
+INLINE vec vadd(vec a, vec b) {
+    for (int c = 0; c < GROUP; c++) a.v[c] += b.v[c];
+    return a;
 }
-
-INLINE float acc_sum(const vacc *a) { return a->s; }
+INLINE vec vload(const float *p) {
+    vec v;
+    for (int c = 0; c < GROUP; c++) v.v[c] = p[c];
+    return v;
+}
+INLINE void vstore(float *p, vec v) {
+    for (int c = 0; c < GROUP; c++) p[c] = v.v[c];
+}
 
 INLINE void cpu_relax(void) {}
 
 #endif
 
-/* ---- matmuls ---- */
+/* Rows [r0, r0 + R) by groups [g0, g0 + C): `R`, `C` and `kind` are constants at each call site, so
+ * the loops unroll and the accumulators stay in registers. */
+INLINE void tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) {
+    long k = job->k, nb = k / QK, gb = group_bytes(kind);
+    const float *x = job->x + r0 * k;
+    vec acc[MAX_R][MAX_C];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        if (kind == Q8_0) {
+            vec d[MAX_C];
+            const int8_t *q[MAX_C];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) {
+                const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
+                d[c] = halves16(blk);
+                q[c] = (const int8_t *)(blk + 2 * GROUP);
+            }
+            for (int i = 0; i < QK; i++) {
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    vec w = q8_one(q[c] + i * GROUP, d[c]);
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) acc[r][c] = VFMA(w, xb + r * k + i, acc[r][c]);
+                }
+            }
+        } else {
+            vec d[MAX_C], m[MAX_C];
+            const uint8_t *q[MAX_C];
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) {
+                const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
+                d[c] = halves16(blk);
+                m[c] = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d[c];
+                q[c] = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
+            }
+            for (int i = 0; i < QK / 2; i++) {
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    vec lo, hi;
+                    q4_pair(q[c] + i * GROUP, d[c], m[c], kind == Q4_0, &lo, &hi);
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) {
+                        acc[r][c] = VFMA(lo, xb + r * k + i, acc[r][c]);
+                        acc[r][c] = VFMA(hi, xb + r * k + i + QK / 2, acc[r][c]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+        long j = (g0 + c) * GROUP, valid = job->n - j;
+        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
+    }
+}
 
-typedef struct {
-    int kind;              /* Q4_0, Q4_1 or Q8_0 */
-    const float *x;        /* [m, k] */
-    long m, k, n;
-    const uint8_t *blocks; /* [n, k / 32 blocks] */
-    const float *bias;     /* [n] or NULL */
-    float *y;              /* [m, n] */
-} matmul_t;
+/* ---- many rows: unpack C groups once into a panel, then run every row tile over it ----
+ * The panel holds the very weights tile() unpacks ([C][k][16] floats), and panel_tile() takes the
+ * products in tile()'s order, so a row's result is bit-identical whichever path computes it. */
+
+/* Rows from which unpacking once per panel beats unpacking in every tile (measured). */
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 32
+#endif
+
+static __thread float *panel_buf;
+static __thread long panel_cap;
+
+INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
+    long k = job->k, nb = k / QK, gb = group_bytes(kind);
+    for (int c = 0; c < C; c++) {
+        float *out = panel_buf + (long)c * k * GROUP;
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
+            vec d = halves16(blk);
+            float *ob = out + b * QK * GROUP;
+            if (kind == Q8_0) {
+                for (int i = 0; i < QK; i++) vstore(ob + i * GROUP, q8_one((const int8_t *)(blk + 2 * GROUP) + i * GROUP, d));
+            } else {
+                vec m = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d;
+                const uint8_t *q = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
+                for (int i = 0; i < QK / 2; i++) {
+                    vec lo, hi;
+                    q4_pair(q + i * GROUP, d, m, kind == Q4_0, &lo, &hi);
+                    vstore(ob + i * GROUP, lo);
+                    vstore(ob + (i + QK / 2) * GROUP, hi);
+                }
+            }
+        }
+    }
+}
+
+INLINE void panel_tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) {
+    long k = job->k, nb = k / QK;
+    const float *x = job->x + r0 * k;
+    vec acc[MAX_R][MAX_C];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        const float *wb = panel_buf + b * QK * GROUP;
+        if (kind == Q8_0) {
+            for (int i = 0; i < QK; i++) {
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    vec w = vload(wb + (long)c * k * GROUP + i * GROUP);
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) acc[r][c] = VFMA(w, xb + r * k + i, acc[r][c]);
+                }
+            }
+        } else {
+            for (int i = 0; i < QK / 2; i++) {
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    vec lo = vload(wb + (long)c * k * GROUP + i * GROUP);
+                    vec hi = vload(wb + (long)c * k * GROUP + (i + QK / 2) * GROUP);
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) {
+                        acc[r][c] = VFMA(lo, xb + r * k + i, acc[r][c]);
+                        acc[r][c] = VFMA(hi, xb + r * k + i + QK / 2, acc[r][c]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+        long j = (g0 + c) * GROUP, valid = job->n - j;
+        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
+    }
+}
+
+/* Every row tile of rows [h0, h1) over groups [g, g + C). */
+#define ROW_TILES(FN)                                                                       \
+    for (long r0 = h0; r0 < h1; r0 += MAX_R) {                                              \
+        int rows = h1 - r0 < MAX_R ? (int)(h1 - r0) : MAX_R;                                \
+        switch (rows) {                                                                     \
+        case 1: FN(job, r0, 1, g, C, kind); break;                                          \
+        case 2: FN(job, r0, 2, g, C, kind); break;                                          \
+        case 3: FN(job, r0, 3, g, C, kind); break;                                          \
+        EXTRA_CASES(FN)                                                                     \
+        default: FN(job, r0, MAX_R, g, C, kind); break;                                     \
+        }                                                                                   \
+    }
+#if MAX_R == 8
+#define EXTRA_CASES(FN)                                                                     \
+    case 4: FN(job, r0, 4, g, C, kind); break;                                              \
+    case 5: FN(job, r0, 5, g, C, kind); break;                                              \
+    case 6: FN(job, r0, 6, g, C, kind); break;                                              \
+    case 7: FN(job, r0, 7, g, C, kind); break;
+#elif MAX_R == 4
+#define EXTRA_CASES(FN)
+#else
+#error "MAX_R is 4 or 8"
+#endif
+
+INLINE void groups_by(const matmul_t *job, long g, int C, long h0, long h1, int kind) {
+    if (h1 - h0 >= PANEL_MIN_ROWS && panel_buf != NULL) {
+        unpack_panel(job, g, C, kind);
+        ROW_TILES(panel_tile)
+    } else {
+        ROW_TILES(tile)
+    }
+}
+
+/* Rows per block: a block of x stays in L2 while every group of the range passes over it. */
+#define X_BLOCK_FLOATS 65536L
+
+INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
+    long height = X_BLOCK_FLOATS / job->k / MAX_R * MAX_R;
+    if (height < PANEL_MIN_ROWS) height = PANEL_MIN_ROWS;
+    if (job->m >= PANEL_MIN_ROWS && panel_cap < MAX_C * job->k * GROUP) {
+        float *buf = (float *)realloc(panel_buf, sizeof(float) * (size_t)(MAX_C * job->k * GROUP));
+        if (buf != NULL) { /* without it, tile() unpacks in place: the same results */
+            panel_buf = buf;
+            panel_cap = MAX_C * job->k * GROUP;
+        }
+    }
+    for (long h0 = 0; h0 < job->m; h0 += height) {
+        long h1 = h0 + height < job->m ? h0 + height : job->m;
+        long g = g0;
+#if MAX_C > 1
+        for (; g + MAX_C <= g1; g += MAX_C) groups_by(job, g, MAX_C, h0, h1, kind);
+#endif
+        for (; g < g1; g++) groups_by(job, g, 1, h0, h1, kind);
+    }
+}
+
+static void run_columns(const matmul_t *job, long g0, long g1) {
+    if (job->kind == Q4_0)
+        groups(job, g0, g1, Q4_0);
+    else if (job->kind == Q4_1)
+        groups(job, g0, g1, Q4_1);
+    else
+        groups(job, g0, g1, Q8_0);
+}
 
 typedef struct {
     const float *q;                 /* [t, hq, d]: row stride q_stride, heads contiguous */
@@ -269,190 +527,12 @@ typedef struct {
 
 /* A unit of work for the pool: `count` independent items, split in contiguous ranges. */
 typedef struct {
-    int kind; /* 0: matmul (items are output columns), 1: attention (items are (token, kv head) pairs) */
+    int kind; /* 0: matmul (items are groups of 16 output columns), 1: attention (items are (token, kv head) pairs) */
     long count;
     matmul_t mm;
     attention_t at;
 } job_t;
 
-/* Weights of block b of column j (`kind` is a constant at each call site). */
-INLINE void load_block(wblk *w, const matmul_t *job, long j, long b, int kind) {
-    const uint8_t *block = job->blocks + (j * (job->k / QK) + b) * BLOCK_BYTES[kind];
-    float d = half_at(block);
-    if (kind == Q4_0)
-        load_q4(w, block + 2, d, 0.0f, 1);
-    else if (kind == Q4_1)
-        load_q4(w, block + 4, d, half_at(block + 2), 0);
-    else
-        load_q8(w, (const int8_t *)(block + 2), d);
-}
-
-/* Column j for `rows` rows starting at x: `rows` is a constant at each call site, so the loops
- * unroll and the accumulators stay in registers. Every row runs the same operations in the same
- * order whatever the tile's size. */
-INLINE void tile(const matmul_t *job, const float *x, int rows, long j, float *out, int kind) {
-    long k = job->k, n = job->n, nb = k / QK;
-    vacc acc[TILE_ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) acc_zero(&acc[r]);
-    for (long b = 0; b < nb; b += 2) {
-        wblk w;
-        load_block(&w, job, j, b, kind);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            xblk xv;
-            load_x(&xv, x + r * k + b * QK);
-            acc_block(&acc[r], &w, &xv, 0);
-        }
-        if (b + 1 == nb) break;
-        load_block(&w, job, j, b + 1, kind);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            xblk xv;
-            load_x(&xv, x + r * k + (b + 1) * QK);
-            acc_block(&acc[r], &w, &xv, 1);
-        }
-    }
-    float bias = job->bias ? job->bias[j] : 0.0f;
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) out[r * n] = acc_sum(&acc[r]) + bias;
-}
-
-/* Columns per chunk: a chunk's weights stay in L1 while every row tile of x passes over them. */
-#define CHUNK 16
-
-#define TILE_CALL(R) tile(job, x, R, j, job->y + r0 * n + j, kind)
-
-/* Output columns [j0, j1) of a job, unpacking each block once per row tile (few rows: decode). */
-INLINE void columns(const matmul_t *job, long j0, long j1, int kind) {
-    long m = job->m, n = job->n, k = job->k;
-    for (long c0 = j0; c0 < j1; c0 += CHUNK) {
-        long c1 = c0 + CHUNK < j1 ? c0 + CHUNK : j1;
-        for (long r0 = 0; r0 < m; r0 += TILE_ROWS) {
-            int rows = m - r0 < TILE_ROWS ? (int)(m - r0) : TILE_ROWS;
-            const float *x = job->x + r0 * k;
-            for (long j = c0; j < c1; j++) {
-                switch (rows) {
-                case 1: TILE_CALL(1); break;
-#if TILE_ROWS >= 4
-                case 2: TILE_CALL(2); break;
-                case 3: TILE_CALL(3); break;
-#endif
-                default: TILE_CALL(TILE_ROWS); break;
-                }
-            }
-        }
-    }
-}
-
-/* ---- many rows (prefill): unpack a panel of columns once, then run every row tile over it ----
- * The unpacked weights are the very values load_block produces and each row accumulates them in
- * the same order with the same accumulators as tile(), so a row's result is bit-identical
- * whichever path computes it. */
-
-/* Rows from which the panel path pays for its unpacking pass. */
-#define PANEL_MIN_ROWS (2 * PANEL_ROWS)
-/* Unpacked floats per panel, and x floats per row block: both stay in L2 while the row tiles
- * pass over the panel. */
-#define PANEL_FLOATS 16384L
-#define X_BLOCK_FLOATS 65536L
-
-static __thread float *panel_buf;
-static __thread long panel_cap;
-
-/* Column j for `rows` rows starting at x, its unpacked weights at w ([k] floats). */
-INLINE void panel_tile(const matmul_t *job, const float *x, int rows, const float *w, long j, float *out) {
-    long k = job->k, n = job->n, nb = k / QK;
-    vacc acc[PANEL_ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) acc_zero(&acc[r]);
-    for (long b = 0; b < nb; b += 2) {
-        wblk wb;
-        load_w(&wb, w + b * QK);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            xblk xv;
-            load_x(&xv, x + r * k + b * QK);
-            acc_block(&acc[r], &wb, &xv, 0);
-        }
-        if (b + 1 == nb) break;
-        load_w(&wb, w + (b + 1) * QK);
-#pragma GCC unroll 8
-        for (int r = 0; r < rows; r++) {
-            xblk xv;
-            load_x(&xv, x + r * k + (b + 1) * QK);
-            acc_block(&acc[r], &wb, &xv, 1);
-        }
-    }
-    float bias = job->bias ? job->bias[j] : 0.0f;
-#pragma GCC unroll 8
-    for (int r = 0; r < rows; r++) out[r * n] = acc_sum(&acc[r]) + bias;
-}
-
-#define PANEL_CALL(R) panel_tile(job, x, R, panel_buf + (j - c0) * k, j, job->y + r0 * n + j)
-
-/* Output columns [j0, j1) through the panel buffer; 0 when the buffer cannot be had. Rows go in
- * blocks whose x stays in L2 while every panel of the columns passes over it. */
-INLINE int panel_columns(const matmul_t *job, long j0, long j1, int kind) {
-    long m = job->m, n = job->n, k = job->k, nb = k / QK;
-    long width = PANEL_FLOATS / k > 0 ? PANEL_FLOATS / k : 1; /* columns per panel */
-    long height = X_BLOCK_FLOATS / k / PANEL_ROWS * PANEL_ROWS; /* rows per block */
-    if (height < PANEL_ROWS) height = PANEL_ROWS;
-    if (panel_cap < width * k) {
-        float *buf = (float *)realloc(panel_buf, sizeof(float) * (size_t)(width * k));
-        if (buf == NULL) return 0;
-        panel_buf = buf;
-        panel_cap = width * k;
-    }
-    for (long h0 = 0; h0 < m; h0 += height) {
-        long h1 = h0 + height < m ? h0 + height : m;
-        for (long c0 = j0; c0 < j1; c0 += width) {
-            long c1 = c0 + width < j1 ? c0 + width : j1;
-            for (long j = c0; j < c1; j++)
-                for (long b = 0; b < nb; b++) {
-                    wblk w;
-                    load_block(&w, job, j, b, kind);
-                    store_w(panel_buf + (j - c0) * k + b * QK, &w);
-                }
-            for (long r0 = h0; r0 < h1; r0 += PANEL_ROWS) {
-                int rows = h1 - r0 < PANEL_ROWS ? (int)(h1 - r0) : PANEL_ROWS;
-                const float *x = job->x + r0 * k;
-                for (long j = c0; j < c1; j++) {
-                    switch (rows) {
-                    case 1: PANEL_CALL(1); break;
-                    case 2: PANEL_CALL(2); break;
-#if PANEL_ROWS > 3
-                    case 3: PANEL_CALL(3); break;
-#endif
-#if PANEL_ROWS > 4
-                    case 4: PANEL_CALL(4); break;
-#endif
-#if PANEL_ROWS > 5
-                    case 5: PANEL_CALL(5); break;
-#endif
-                    default: PANEL_CALL(PANEL_ROWS); break;
-                    }
-                }
-            }
-        }
-    }
-    return 1;
-}
-
-static void run_columns(const matmul_t *job, long j0, long j1) {
-    if (job->m >= PANEL_MIN_ROWS) {
-        int done = job->kind == Q4_0   ? panel_columns(job, j0, j1, Q4_0)
-                   : job->kind == Q4_1 ? panel_columns(job, j0, j1, Q4_1)
-                                       : panel_columns(job, j0, j1, Q8_0);
-        if (done) return;
-    }
-    if (job->kind == Q4_0)
-        columns(job, j0, j1, Q4_0);
-    else if (job->kind == Q4_1)
-        columns(job, j0, j1, Q4_1);
-    else
-        columns(job, j0, j1, Q8_0);
-}
 
 /* ---- paged attention ----
  * Query token t of sequence b sits at position p = seq_lens[b] - (query_start_loc[b + 1] - t) and
@@ -750,12 +830,12 @@ static void run_job(const job_t *job, long work) {
     pthread_mutex_unlock(&pool_use);
 }
 
-/* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in
- * `blocks` [n, k / 32 blocks of `kind`], plus bias [n] (or NULL). */
+/* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
+ * (interleaved by ifb_interleave from GGUF blocks of `kind`), plus bias [n] (or NULL). */
 void ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, const float *bias,
                       float *y, long n) {
     if (kind < Q4_0 || kind > Q8_0) return;
-    job_t job = {.kind = 0, .count = n, .mm = {kind, x, m, k, n, blocks, bias, y}};
+    job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, x, m, k, n, blocks, bias, y}};
     run_job(&job, m * n * (k / QK));
 }
 
@@ -798,7 +878,7 @@ void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hk
 
 typedef struct {
     long kind;                     /* Q4_0, Q4_1 or Q8_0 */
-    const uint8_t *blocks;         /* as for ifb_block_matmul */
+    const uint8_t *blocks;         /* interleaved, as ifb_block_matmul reads them */
     const float *bias;             /* or NULL */
     long n, k;                     /* output and input features */
 } weight_t;

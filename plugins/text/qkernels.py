@@ -1,7 +1,8 @@
 """Native kernels for GGUF checkpoints on CPUs (``qkernels.c``), compiled on first use.
 
-- ``block_matmul``: matmuls that read Q4_0 / Q4_1 / Q8_0 blocks as stored
-  and multiply float32 activations; the result differs from a float32
+- ``block_matmul``: matmuls that read Q4_0 / Q4_1 / Q8_0 blocks (regrouped
+  once by ``interleave`` so that 16 output columns sit side by side, same
+  bytes) and multiply float32 activations; the result differs from a float32
   matmul on the dequantized weights by summation order only. (torch's packed
   int4 CPU matmul needs bfloat16 activations for speed, which moves greedy
   output away from the float32 path, and for the few rows of a decode step it
@@ -44,6 +45,8 @@ from ifb_plugins.text.attention import AttnMetadata
 log = logging.getLogger("ifb.text")
 
 SOURCE_NAME = "qkernels.c"
+#: bytes per 32-weight block of each kind (0: Q4_0, 1: Q4_1, 2: Q8_0)
+BLOCK_BYTES = (18, 20, 34)
 #: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
 CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -92,6 +95,9 @@ class Kernels:
         self._matmul = lib.ifb_block_matmul
         self._matmul.argtypes = [ptr, long, long, ptr, ctypes.c_int, ptr, ptr, long]
         self._matmul.restype = None
+        self._interleave = lib.ifb_interleave
+        self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
+        self._interleave.restype = None
         self._attention = lib.ifb_paged_attention
         self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, long, ptr, long, ptr, ptr, long,
                                     ctypes.c_float, ptr]
@@ -109,16 +115,28 @@ class Kernels:
         """Split each matmul's output columns over ``n`` threads (helpers start on first use)."""
         self._set_threads(int(n))
 
-    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K]`` times weight rows stored as GGUF blocks; float32 ``[M, N]``.
+    def interleave(self, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+        """GGUF rows ``[N, K / 32 * block bytes]`` (uint8) of ``kind`` 0 (Q4_0), 1 (Q4_1) or
+        2 (Q8_0) in the layout ``block_matmul`` reads: output columns in groups of 16, each
+        group's blocks with the 16 columns side by side. ``[ceil(N / 16) * 16, row bytes]``,
+        the padding columns zero."""
+        blocks = blocks.contiguous()
+        n, row_bytes = blocks.shape
+        k = row_bytes // BLOCK_BYTES[kind] * 32
+        out = torch.empty(-(-n // 16) * 16, row_bytes, dtype=torch.uint8)
+        self._interleave(blocks.data_ptr(), n, k, kind, out.data_ptr())
+        return out
 
-        ``blocks`` is ``[N, K / 32 * block bytes]`` uint8, contiguous, of ``kind`` 0 (Q4_0),
-        1 (Q4_1) or 2 (Q8_0); ``bias`` (``[N]``, contiguous float32) is optional.
+    def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: int, n: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` times ``n`` weight rows interleaved by ``interleave``; float32 ``[M, n]``.
+
+        ``bias`` (``[n]``, contiguous float32) is optional.
         """
         x = _rows(x)
         m, k = x.shape
-        n = blocks.shape[0]
+        if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
+            raise ValueError(f"{tuple(blocks.shape)} interleaved blocks do not hold {n} rows of {k}")
         out = torch.empty(m, n, dtype=torch.float32)
         self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, None if bias is None else bias.data_ptr(),
                      out.data_ptr(), n)

@@ -116,7 +116,8 @@ class BlockLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
         self.kind = KINDS[weight.qtype]
-        self.register_buffer("blocks", weight.blocks.contiguous())
+        #: the blocks interleaved for the kernels (``Kernels.interleave``)
+        self.register_buffer("blocks", kernels.interleave(weight.blocks, self.kind))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.kernels = kernels
 
@@ -124,7 +125,7 @@ class BlockLinear(nn.Module):
         if x.shape[-1] != self.in_features:  # the C code would read past the rows
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = self.kernels.block_matmul(rows, self.blocks, self.kind, self.bias)
+        out = self.kernels.block_matmul(rows, self.blocks, self.kind, self.out_features, self.bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
