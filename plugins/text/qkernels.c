@@ -641,9 +641,84 @@ INLINE void weighted_rows(float *o, const float *p, float sum, long ctx, const i
 }
 #endif
 
+/* Scores of a run of SCORE_LANES keys at once: each key's products are summed lane-wise as dot()
+ * does, then the run's partial vectors are reduced together by a transposing tree (pairs of lanes
+ * i, i + 8, then i, i + 4, ...). Each key's score depends on its own vector only: a key scores the
+ * same bits in a full run and in a run cut short by the end of the context (NULL keys). */
+#if IFB_ISA == 512
+#define SCORE_LANES 16
+/* The tree leaves key KEY_OF_SLOT[s]'s sum in lane KEY_OF_SLOT[s] when it starts in vector s. */
+static const int KEY_OF_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+INLINE int scores_fit(long d) { return d % 16 == 0; }
+
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+    __m512 v[16];
+    for (int s = 0; s < 16; s++) {
+        const float *k = keys[KEY_OF_SLOT[s]];
+        if (k == NULL) {
+            v[s] = _mm512_setzero_ps();
+            continue;
+        }
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (long i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+        v[s] = acc;
+    }
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    _mm512_storeu_ps(out, _mm512_mul_ps(z, _mm512_set1_ps(scale)));
+}
+
+#elif IFB_ISA == 256
+#define SCORE_LANES 8
+static const int KEY_OF_SLOT[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+INLINE int scores_fit(long d) { return d % 8 == 0; }
+
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+    __m256 v[8];
+    for (int s = 0; s < 8; s++) {
+        const float *k = keys[KEY_OF_SLOT[s]];
+        if (k == NULL) {
+            v[s] = _mm256_setzero_ps();
+            continue;
+        }
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (long i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+        v[s] = acc;
+    }
+    __m256 t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    _mm256_storeu_ps(out, _mm256_mul_ps(z, _mm256_set1_ps(scale)));
+}
+
+#else
+#define SCORE_LANES 1
+INLINE int scores_fit(long d) { (void)d; return 0; }
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+    (void)q; (void)keys; (void)d; (void)scale; (void)out;
+}
+#endif
+
 static void attention_items(const attention_t *a, long i0, long i1) {
     long group = a->hq / a->hkv, d = a->d, bs = a->block_size, row = a->hkv * d;
-    float *p = (float *)malloc(sizeof(float) * (size_t)(a->max_ctx > 0 ? a->max_ctx : 1));
+    /* room for a whole last run of scores */
+    float *p = (float *)malloc(sizeof(float) * (size_t)(a->max_ctx + SCORE_LANES));
     if (p == NULL) return;
     for (long i = i0; i < i1; i++) {
         long t = i / a->hkv, g = i % a->hkv, b = a->token_seq[t];
@@ -652,12 +727,23 @@ static void attention_items(const attention_t *a, long i0, long i1) {
         for (long h = g * group; h < (g + 1) * group; h++) {
             const float *qh = a->q + t * a->q_stride + h * d;
             float top = -INFINITY, sum = 0.0f;
-            /* walk the context block by block: position j is slot j % bs of block table[j / bs] */
-            for (long j0 = 0; j0 < ctx; j0 += bs) {
-                const float *k = a->k_cache + table[j0 / bs] * bs * row + g * d;
-                for (long j = j0; j < ctx && j < j0 + bs; j++, k += row) {
-                    p[j] = dot(qh, k, d) * a->scale;
+            /* position j is slot j % bs of block table[j / bs] */
+            if (scores_fit(d)) {
+                for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) {
+                    const float *keys[SCORE_LANES];
+                    for (long j = j0; j < j0 + SCORE_LANES; j++)
+                        keys[j - j0] = j < ctx ? a->k_cache + (table[j / bs] * bs + j % bs) * row + g * d : NULL;
+                    score_run(qh, keys, d, a->scale, p + j0);
+                }
+                for (long j = 0; j < ctx; j++)
                     if (p[j] > top) top = p[j];
+            } else {
+                for (long j0 = 0; j0 < ctx; j0 += bs) {
+                    const float *k = a->k_cache + table[j0 / bs] * bs * row + g * d;
+                    for (long j = j0; j < ctx && j < j0 + bs; j++, k += row) {
+                        p[j] = dot(qh, k, d) * a->scale;
+                        if (p[j] > top) top = p[j];
+                    }
                 }
             }
             sum = exp_shifted(p, ctx, top);

@@ -95,21 +95,26 @@ def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q,
 
 
 @needs_kernels
-def test_native_attention_matches_the_torch_path_and_ignores_chunking() -> None:
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: ["native", "avx2"][i])
+def test_native_attention_matches_the_torch_path_and_ignores_chunking(build: int) -> None:
+    kernels = KERNEL_BUILDS[build]
+    assert kernels is not None
     g = torch.Generator().manual_seed(6)
     heads, kv_heads, dim, block = 6, 2, 32, 4
     k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=g) for _ in range(2))
-    # a decode, a later prefill chunk, a whole prompt and a first token, with scattered block tables
-    seqs = [(13, 1, [5, 9, 2, 30]), (6, 9, [10, 11, 35, 12]), (0, 12, [20, 21, 22]), (0, 1, [3])]
+    # a decode, a later prefill chunk (its context spans several runs of scores), a whole prompt
+    # and a first token, with scattered block tables
+    long_table = [10, 11, 35, 12, 13, 14, 15, 16, 17, 18]
+    seqs = [(13, 1, [5, 9, 2, 30]), (14, 25, long_table), (0, 12, [20, 21, 22]), (0, 1, [3])]
     attn = build_attn_metadata(seqs, block)
     q = torch.randn(attn.num_tokens, heads + kv_heads, dim, generator=g)[:, :heads]  # a strided view
-    full = KERNELS.paged_attention(q, k_cache, v_cache, attn)
+    full = kernels.paged_attention(q, k_cache, v_cache, attn)
     assert torch.allclose(full, paged_attention(q, k_cache, v_cache, attn), atol=1e-5)
-    # sequence 1's tokens (flat rows 1..9) split into other chunks, or decoded one by one: same bits
-    for chunks in ([(6, 4), (10, 5)], [(6, 1), (7, 8)], [(p, 1) for p in range(6, 15)]):
-        rows = [KERNELS.paged_attention(q[1 + s0 - 6:1 + s0 - 6 + n], k_cache, v_cache,
-                                        build_attn_metadata([(s0, n, seqs[1][2])], block)) for s0, n in chunks]
-        assert torch.equal(torch.cat(rows), full[1:10])
+    # sequence 1's tokens (flat rows 1..25) split into other chunks, or decoded one by one: same bits
+    for chunks in ([(14, 10), (24, 15)], [(14, 1), (15, 24)], [(p, 1) for p in range(14, 39)]):
+        rows = [kernels.paged_attention(q[1 + s0 - 14:1 + s0 - 14 + n], k_cache, v_cache,
+                                        build_attn_metadata([(s0, n, long_table)], block)) for s0, n in chunks]
+        assert torch.equal(torch.cat(rows), full[1:26])
 
 
 @needs_int4
