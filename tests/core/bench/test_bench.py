@@ -177,8 +177,8 @@ def test_skewed_workload_is_deterministic_for_a_seed():
     assert first == again
     assert skewed.with_overrides(seed=1).plan() != first
     lengths = [p.max_tokens for p in first]
-    assert all(8 <= n <= 32 or 128 <= n <= 256 for n in lengths)
-    assert 0.1 < sum(n >= 128 for n in lengths) / len(lengths) < 0.3
+    assert all(8 <= n <= 32 or 256 <= n <= 768 for n in lengths)
+    assert 0.1 < sum(n >= 256 for n in lengths) / len(lengths) < 0.3
     gaps = np.diff([p.send_at for p in first])
     assert (gaps >= 0).all()
     assert np.mean(gaps) == pytest.approx(1 / skewed.rate, rel=0.2)
