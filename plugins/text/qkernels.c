@@ -303,9 +303,14 @@ INLINE void cpu_relax(void) {}
 
 #endif
 
-/* Rows [r0, r0 + R) by groups [g0, g0 + C): `R`, `C` and `kind` are constants at each call site, so
- * the loops unroll and the accumulators stay in registers. */
-INLINE void tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) {
+/* The calling thread's panel: C groups' weights unpacked, [C][k][16] floats (see unpack_panel). */
+static __thread float *panel_buf;
+static __thread long panel_cap;
+
+/* Rows [r0, r0 + R) by groups [g0, g0 + C), the weights unpacked from the blocks or (`from_panel`)
+ * read from the thread's panel: `R`, `C`, `kind` and `from_panel` are constants at each call site,
+ * so the loops unroll and the accumulators stay in registers. */
+INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int kind, int from_panel) {
     long k = job->k, nb = k / QK, gb = group_bytes(kind);
     const float *x = job->x + r0 * k;
     vec acc[MAX_R][MAX_C];
@@ -315,38 +320,37 @@ INLINE void tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) 
         for (int c = 0; c < C; c++) acc[r][c] = VZERO();
     for (long b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
-        if (kind == Q8_0) {
-            vec d[MAX_C];
-            const int8_t *q[MAX_C];
+        const float *wb = panel_buf + b * QK * GROUP; /* from_panel: block b of each group's panel */
+        vec d[MAX_C], m[MAX_C];
+        const uint8_t *q[MAX_C];
 #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) {
-                const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
-                d[c] = halves16(blk);
-                q[c] = (const int8_t *)(blk + 2 * GROUP);
-            }
+        for (int c = 0; c < C && !from_panel; c++) {
+            const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
+            d[c] = halves16(blk);
+            m[c] = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d[c];
+            q[c] = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
+        }
+        if (kind == Q8_0) {
             for (int i = 0; i < QK; i++) {
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) {
-                    vec w = q8_one(q[c] + i * GROUP, d[c]);
+                    vec w = from_panel ? vload(wb + (long)c * k * GROUP + i * GROUP)
+                                       : q8_one((const int8_t *)q[c] + i * GROUP, d[c]);
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++) acc[r][c] = VFMA(w, xb + r * k + i, acc[r][c]);
                 }
             }
         } else {
-            vec d[MAX_C], m[MAX_C];
-            const uint8_t *q[MAX_C];
-#pragma GCC unroll 4
-            for (int c = 0; c < C; c++) {
-                const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
-                d[c] = halves16(blk);
-                m[c] = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d[c];
-                q[c] = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
-            }
             for (int i = 0; i < QK / 2; i++) {
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) {
                     vec lo, hi;
-                    q4_pair(q[c] + i * GROUP, d[c], m[c], kind == Q4_0, &lo, &hi);
+                    if (from_panel) {
+                        lo = vload(wb + (long)c * k * GROUP + i * GROUP);
+                        hi = vload(wb + (long)c * k * GROUP + (i + QK / 2) * GROUP);
+                    } else {
+                        q4_pair(q[c] + i * GROUP, d[c], m[c], kind == Q4_0, &lo, &hi);
+                    }
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++) {
                         acc[r][c] = VFMA(lo, xb + r * k + i, acc[r][c]);
@@ -366,16 +370,14 @@ INLINE void tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) 
 }
 
 /* ---- many rows: unpack C groups once into a panel, then run every row tile over it ----
- * The panel holds the very weights tile() unpacks ([C][k][16] floats), and panel_tile() takes the
- * products in tile()'s order, so a row's result is bit-identical whichever path computes it. */
+ * The panel holds the very weights tile() unpacks, taken in the same order, so a row's result is
+ * bit-identical whichever path computes it. */
 
 /* Rows from which unpacking once per panel beats unpacking in every tile (measured). */
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 32
 #endif
 
-static __thread float *panel_buf;
-static __thread long panel_cap;
 
 INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
     long k = job->k, nb = k / QK, gb = group_bytes(kind);
@@ -401,51 +403,10 @@ INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
     }
 }
 
-INLINE void panel_tile(const matmul_t *job, long r0, int R, long g0, int C, int kind) {
-    long k = job->k, nb = k / QK;
-    const float *x = job->x + r0 * k;
-    vec acc[MAX_R][MAX_C];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
-    for (long b = 0; b < nb; b++) {
-        const float *xb = x + b * QK;
-        const float *wb = panel_buf + b * QK * GROUP;
-        if (kind == Q8_0) {
-            for (int i = 0; i < QK; i++) {
-#pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    vec w = vload(wb + (long)c * k * GROUP + i * GROUP);
-#pragma GCC unroll 16
-                    for (int r = 0; r < R; r++) acc[r][c] = VFMA(w, xb + r * k + i, acc[r][c]);
-                }
-            }
-        } else {
-            for (int i = 0; i < QK / 2; i++) {
-#pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    vec lo = vload(wb + (long)c * k * GROUP + i * GROUP);
-                    vec hi = vload(wb + (long)c * k * GROUP + (i + QK / 2) * GROUP);
-#pragma GCC unroll 16
-                    for (int r = 0; r < R; r++) {
-                        acc[r][c] = VFMA(lo, xb + r * k + i, acc[r][c]);
-                        acc[r][c] = VFMA(hi, xb + r * k + i + QK / 2, acc[r][c]);
-                    }
-                }
-            }
-        }
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < C; c++) {
-        long j = (g0 + c) * GROUP, valid = job->n - j;
-        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
-    }
-}
-
 /* Every row tile of rows [h0, h1) over groups [g, g + C). */
+#define tile(job, r0, R, g0, C, kind) tile_from(job, r0, R, g0, C, kind, 0)
+#define panel_tile(job, r0, R, g0, C, kind) tile_from(job, r0, R, g0, C, kind, 1)
+
 #define ROW_TILES(FN)                                                                       \
     for (long r0 = h0; r0 < h1; r0 += MAX_R) {                                              \
         int rows = h1 - r0 < MAX_R ? (int)(h1 - r0) : MAX_R;                                \
@@ -913,6 +874,10 @@ static void run_job(const job_t *job, long work) {
     work_on(seq);
     /* a helper may still be inside the last chunks it claimed */
     while (atomic_load_explicit(&pool_done, memory_order_acquire) < pool_chunks) cpu_relax();
+    /* Close the job before the next one rewrites pool_job and pool_chunks: a helper still
+     * looping on this job's ticket must not take a chunk number below the next job's count
+     * for one of this job's (it would run a half-written job). */
+    atomic_store_explicit(&pool_ticket, ((uint64_t)seq << 32) | 0xFFFFFFFFu, memory_order_release);
     pthread_mutex_unlock(&pool_use);
 }
 
