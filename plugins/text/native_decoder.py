@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ifb_plugins.text.attention import AttnMetadata
-from ifb_plugins.text.qkernels import Kernels
+from ifb_plugins.text.qkernels import Kernels, check_attention_metadata
 from ifb_plugins.text.quant import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -119,10 +119,10 @@ class NativeDecoder:
             keep = torch.stack((cos.reshape(t, d), sin.reshape(t, d)), dim=1).float().contiguous()
             rope = keep.data_ptr()
         k_ptrs, v_ptrs = self._cache_arrays(kv_caches)
+        check_attention_metadata(attn, kv_caches[0][0].shape[1])
+        if attn.slot_mapping.dtype != torch.int64:
+            raise ValueError("the native kernels read contiguous int64 attention metadata")
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
-        if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64
-                and attn.slot_mapping.dtype == torch.int64 and kv_caches[0][0].shape[1] == attn.block_size):
-            raise ValueError("the native decoder reads contiguous int64 attention metadata matching the cache")
         out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
         step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
                      lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs)

@@ -120,10 +120,8 @@ void ifb_interleave(const uint8_t *src, long n, long k, int kind, uint8_t *dst) 
 
 #if IFB_ISA == 512
 
-#ifndef MAX_R
 #define MAX_R 8 /* 8 x 2 accumulators + 2 x 2 weight registers (+ scales), of 32 */
 #define MAX_C 2
-#endif
 typedef __m512 vec;
 #define VZERO _mm512_setzero_ps
 #define VFMA(w, xp, acc) _mm512_fmadd_ps(w, _mm512_set1_ps(*(xp)), acc)
@@ -303,6 +301,14 @@ INLINE void cpu_relax(void) {}
 
 #endif
 
+/* Block b of group g: its 16 scales d and minima m (Q4_0, Q8_0: m is d, unused); returns its codes. */
+INLINE const uint8_t *group_block(const matmul_t *job, long g, long b, int kind, vec *d, vec *m) {
+    const uint8_t *blk = job->blocks + (g * (job->k / QK) + b) * group_bytes(kind);
+    *d = halves16(blk);
+    *m = kind == Q4_1 ? halves16(blk + 2 * GROUP) : *d;
+    return blk + (kind == Q4_1 ? 4 : 2) * GROUP;
+}
+
 /* The calling thread's panel: C groups' weights unpacked, [C][k][16] floats (see unpack_panel). */
 static __thread float *panel_buf;
 static __thread long panel_cap;
@@ -311,7 +317,7 @@ static __thread long panel_cap;
  * read from the thread's panel: `R`, `C`, `kind` and `from_panel` are constants at each call site,
  * so the loops unroll and the accumulators stay in registers. */
 INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int kind, int from_panel) {
-    long k = job->k, nb = k / QK, gb = group_bytes(kind);
+    long k = job->k, nb = k / QK;
     const float *x = job->x + r0 * k;
     vec acc[MAX_R][MAX_C];
 #pragma GCC unroll 16
@@ -324,12 +330,7 @@ INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int k
         vec d[MAX_C], m[MAX_C];
         const uint8_t *q[MAX_C];
 #pragma GCC unroll 4
-        for (int c = 0; c < C && !from_panel; c++) {
-            const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
-            d[c] = halves16(blk);
-            m[c] = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d[c];
-            q[c] = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
-        }
+        for (int c = 0; c < C && !from_panel; c++) q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
         if (kind == Q8_0) {
             for (int i = 0; i < QK; i++) {
 #pragma GCC unroll 4
@@ -374,24 +375,20 @@ INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int k
  * bit-identical whichever path computes it. */
 
 /* Rows from which unpacking once per panel beats unpacking in every tile (measured). */
-#ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 32
-#endif
 
 
 INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
-    long k = job->k, nb = k / QK, gb = group_bytes(kind);
+    long k = job->k, nb = k / QK;
     for (int c = 0; c < C; c++) {
         float *out = panel_buf + (long)c * k * GROUP;
         for (long b = 0; b < nb; b++) {
-            const uint8_t *blk = job->blocks + ((g0 + c) * nb + b) * gb;
-            vec d = halves16(blk);
+            vec d, m;
+            const uint8_t *q = group_block(job, g0 + c, b, kind, &d, &m);
             float *ob = out + b * QK * GROUP;
             if (kind == Q8_0) {
-                for (int i = 0; i < QK; i++) vstore(ob + i * GROUP, q8_one((const int8_t *)(blk + 2 * GROUP) + i * GROUP, d));
+                for (int i = 0; i < QK; i++) vstore(ob + i * GROUP, q8_one((const int8_t *)q + i * GROUP, d));
             } else {
-                vec m = kind == Q4_1 ? halves16(blk + 2 * GROUP) : d;
-                const uint8_t *q = blk + (kind == Q4_1 ? 4 : 2) * GROUP;
                 for (int i = 0; i < QK / 2; i++) {
                     vec lo, hi;
                     q4_pair(q + i * GROUP, d, m, kind == Q4_0, &lo, &hi);

@@ -11,8 +11,8 @@
   every query row on its own.
 - ``ifb_decoder_forward`` (see ``native_decoder``): a whole decoder stack per call.
 
-Work is split over a small pool of threads (``set_num_threads``) by output
-columns or (token, head) pairs, never inside a sum, so no result depends on
+Work is split over a small pool of threads (``set_num_threads``) by groups of
+output columns or (token, head) pairs, never inside a sum, so no result depends on
 the batch or the thread count.
 
 The C file is built once per machine with the system C compiler (``$CC``, else
@@ -155,16 +155,23 @@ class Kernels:
             q = q.float().contiguous()
         if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the native attention reads contiguous float32 KV caches")
+        check_attention_metadata(attn, k_cache.shape[1])
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
-        if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64):
-            raise ValueError("the native attention reads contiguous int64 attention metadata")
-        if k_cache.shape[1] != attn.block_size:
-            raise ValueError(f"KV cache blocks of {k_cache.shape[1]} slots, metadata for {attn.block_size}")
         out = torch.empty(t, hq, d, dtype=torch.float32)
         self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
                         v_cache.data_ptr(), attn.block_size, tables.data_ptr(), tables.shape[1],
                         starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
         return out
+
+
+def check_attention_metadata(attn: AttnMetadata, cache_block_size: int) -> None:
+    """Raise unless ``attn`` is what the C code reads: contiguous int64 block tables, query
+    starts and sequence lengths, for KV caches of ``cache_block_size`` slots per block."""
+    tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
+    if not (tables.is_contiguous() and tables.dtype == starts.dtype == lens.dtype == torch.int64):
+        raise ValueError("the native kernels read contiguous int64 attention metadata")
+    if cache_block_size != attn.block_size:
+        raise ValueError(f"KV cache blocks of {cache_block_size} slots, metadata for {attn.block_size}")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

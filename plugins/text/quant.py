@@ -41,7 +41,7 @@ Q = gguf.GGMLQuantizationType
 BLOCK = 32
 #: block types read as stored: the native kernels' kind number, and bytes per block
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
-BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
+BLOCK_BYTES = {qtype: qkernels.BLOCK_BYTES[kind] for qtype, kind in KINDS.items()}
 #: projections fused at load: (fused name, parts in output order)
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
          ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
