@@ -9,10 +9,14 @@ fixed set of chat prompts, each greedy-decoded for N tokens on both paths:
 - token agreement: per prompt, the fraction of the N tokens produced before the
   first divergence, averaged over prompts;
 - identical prompts: the fraction of prompts whose N tokens all match;
+- next-token agreement: over the float32 path's own prompts and answers, the
+  fraction of positions whose greedy pick both paths share (one prefill each,
+  so an early divergence does not decide the rest);
 - first-step logits: the largest absolute difference of the logits that pick
   the first token (and over every prompt position), with the logits' scale.
 
     python benchmarks/quant_quality.py                        # the native kernels (the default)
+    python benchmarks/quant_quality.py --activations int8     # ... with 8-bit activations
     python benchmarks/quant_quality.py --backend torch-int4   # torch's int4 fallback
 """
 
@@ -54,7 +58,7 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float
     return mean, identical, prefixes
 
 
-def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
+def measure(num_tokens: int = 64, backend: str | None = None, activations: str = "int16") -> dict[str, Any]:
     import torch
 
     from ifb_plugins.text import qkernels, quant
@@ -68,7 +72,8 @@ def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
     loaded = load_checkpoint(path)
     reference = build_model(loaded)
     quantized = build_model(loaded)
-    report = quant.quantize_model(quantized, read_gguf_tensors(path), backend)  # type: ignore[arg-type]
+    report = quant.quantize_model(quantized, read_gguf_tensors(path), backend,  # type: ignore[arg-type]
+                                  activations=activations)  # type: ignore[arg-type]
     if report.backend == "native":  # as a deployment runs it: native matmuls and attention
         kernels = qkernels.load()
         assert kernels is not None
@@ -89,12 +94,21 @@ def measure(num_tokens: int = 64, backend: str | None = None) -> dict[str, Any]:
         ours = greedy_generate_batch(quantized, prompts, num_tokens)
         ref = greedy_generate_batch(reference, prompts, num_tokens)
     mean, identical, prefixes = agreement(ours, ref)
+    same = total = 0
+    for ids, answer in zip(prompts, ref):
+        text = ids + answer[:-1]
+        with torch.inference_mode():
+            a, b = _prefill_logits(quantized, text), _prefill_logits(reference, text)
+        picks_a, picks_b = a[len(ids) - 1:].argmax(-1), b[len(ids) - 1:].argmax(-1)
+        same += int((picks_a == picks_b).sum())
+        total += len(picks_b)
     return {
         "weights": report.describe(),
         "prompts": len(prompts),
         "tokens_per_prompt": num_tokens,
         "token_agreement_before_first_divergence": mean,
         "prompts_fully_identical": identical,
+        "next_token_agreement": same / total,
         "tokens_before_divergence": prefixes,
         "first_step_logit_max_abs_diff": worst_first,
         "all_positions_logit_max_abs_diff": worst_all,
@@ -120,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--backend", choices=("native", "torch-int4"), default=None,
                         help="quantized matmul to compare (default: what a deployment would pick)")
+    parser.add_argument("--activations", choices=("int16", "int8", "float32"), default="int16",
+                        help="the native kernels' activations (int8: quantization=int8, float32: weights-only)")
     args = parser.parse_args(argv)
-    result = measure(args.tokens, args.backend)
+    result = measure(args.tokens, args.backend, args.activations)
     print(json.dumps(result, indent=1))
     r = result
     print(f"\n{r['weights']}\n"
           f"token agreement before the first divergence: {r['token_agreement_before_first_divergence']:.1%}\n"
           f"prompts fully identical over {args.tokens} tokens: {r['prompts_fully_identical']:.1%}\n"
+          f"next-token agreement on the float32 path's text: {r['next_token_agreement']:.1%}\n"
           f"first-step logits max abs diff: {r['first_step_logit_max_abs_diff']:.3g} "
           f"(all positions {r['all_positions_logit_max_abs_diff']:.3g}; logits up to {r['logit_max_abs']:.3g})")
     return 0

@@ -71,8 +71,10 @@ def _setup_logging(level: str) -> None:
               metavar="RATIO", help="(vlm) Keep this fraction of the visual tokens; media requests become founder-only.")
 @click.option("--allowed-local-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="(vlm) A directory whose files image/audio URLs may name; local files are refused otherwise.")
-@click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
-              help="(text) auto: run a GGUF's 4-bit weights packed; none: dequantize to fp32.")
+@click.option("--quantization", type=click.Choice(["auto", "int8", "weights-only", "none"]), default="auto",
+              show_default=True,
+              help="(text) auto: a GGUF's blocks times activations quantized to ~15 bits; int8: to 8 bits "
+                   "(faster, coarser); weights-only: times float32 activations; none: dequantize to fp32.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,

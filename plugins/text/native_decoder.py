@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from ifb_plugins.text.attention import AttnMetadata
-from ifb_plugins.text.qkernels import Kernels, check_attention_metadata
+from ifb_plugins.text.qkernels import ACTIVATIONS, Kernels, check_attention_metadata
 from ifb_plugins.text.quant import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("kind", _long), ("blocks", _ptr), ("bias", _ptr), ("n", _long), ("k", _long)]
+    _fields_ = [("kind", _long), ("passes", _long), ("blocks", _ptr), ("bias", _ptr), ("n", _long), ("k", _long)]
 
 
 class _Layer(ctypes.Structure):
@@ -53,7 +53,7 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 
 
 def _weight(linear: BlockLinear) -> _Weight:
-    return _Weight(linear.kind, linear.blocks.data_ptr(), _ptr_of(linear.bias), linear.out_features,
+    return _Weight(linear.kind, ACTIVATIONS[linear.activations], linear.blocks.data_ptr(), _ptr_of(linear.bias), linear.out_features,
                    linear.in_features)
 
 

@@ -1,5 +1,5 @@
 /* Native kernels for GGUF checkpoints on CPUs (see qkernels.py): matmuls over weight blocks
- * with float32 activations, paged attention, and a whole Llama-family decoder stack.
+ * with int8 or float32 activations, paged attention, and a whole Llama-family decoder stack.
  *
  * Matmul: y[r, j] = sum_k x[r, k] * w[j, k] + bias[j], the weight rows stored as GGUF stores them,
  * blocks of 32 weights with a float16 scale d (and minimum m), regrouped at load time so that 16
@@ -8,9 +8,11 @@
  *   Q4_1 (20 bytes: d, m, 16 code bytes) w = d * q + m
  *   Q8_0 (34 bytes: d, 32 int8 codes)    w = d * q
  * (a 4-bit block's byte i holds weight i in its low nibble and weight i + 16 in its high one).
- * Each block's weights are rebuilt in float32 exactly as gguf's float32 dequantization computes
- * them (no fused rounding: build with -ffp-contract=off), then multiplied with x: the result
- * differs from a float32 matmul on the dequantized matrix by summation order only.
+ * With int8 activations (the default; see "int8 activations" below) x is quantized per block
+ * of 32 and each block's product is an exact integer sum (VNNI where the CPU has it). With float32
+ * activations each block's weights are rebuilt in float32 exactly as gguf's float32 dequantization
+ * computes them (no fused rounding: build with -ffp-contract=off), then multiplied with x: the
+ * result differs from a float32 matmul on the dequantized matrix by summation order only.
  *
  * Batch invariance: every output element is computed by the same sequence of operations
  * whatever the number of rows in the call, the tiling, or the threads (work is split by groups
@@ -74,25 +76,32 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 
 /* ---- matmuls ----
  * The weights are first interleaved (ifb_interleave): output columns go in groups of 16, and for
- * each group and each 32-weight block the group's 16 scales (and minima) come first, then the codes
- * with the 16 columns side by side, so that one vector load yields the same weight of 16 columns.
- * A group's block is the 16 columns' GGUF blocks with their bytes transposed: the same size.
- *   Q4_0: 16 d, then 16 x 16 code bytes    (byte i of column c: weights i and i + 16, as in GGUF)
- *   Q4_1: 16 d, 16 m, then 16 x 16 code bytes
- *   Q8_0: 16 d, then 32 x 16 codes
- * A tile is R rows by C groups; each output element has one accumulator that takes the products in
+ * each group and each 32-weight block the group's 16 scales (and minima) come first, then the code
+ * bytes in 64-byte chunks, chunk t holding bytes 4t..4t+3 of each of the 16 columns side by side
+ * (what one VNNI instruction multiplies with 4 activation bytes). A group's block is the 16
+ * columns' GGUF blocks with their bytes moved: the same size.
+ *   Q4_0: 16 d, then 4 chunks    (code byte i of a column: weights i and i + 16, as in GGUF)
+ *   Q4_1: 16 d, 16 m, then 4 chunks
+ *   Q8_0: 16 d, then 8 chunks    (codes stored + 128, as unsigned bytes)
+ * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in
  * one fixed order (block by block; within a block weights 0, 16, 1, 17, ..., 15, 31), whatever
  * R and C are: a row's result never depends on its batch mates. */
 
 #define GROUP 16
+#define CHUNK 64 /* code bytes 4i..4i+3 of the 16 columns: 4 bytes per column */
 
 typedef struct {
     int kind;              /* Q4_0, Q4_1 or Q8_0 */
+    int passes;            /* integer activations in 1 or 2 int8 passes (the fields below); 0: float32 x */
     const float *x;        /* [m, k] */
     long m, k, n;
     const uint8_t *blocks; /* interleaved, [ceil(n / 16) groups][k / 32 blocks] */
     const float *bias;     /* [n] or NULL */
     float *y;              /* [m, n] */
+    const int8_t *xq;      /* [passes][m, k] int8 parts of x's codes, per 32-block */
+    const float *xs;       /* [m, k / 32] block scales */
+    const int32_t *qsum;   /* [m, k / 32] sums of a block's codes */
+    const float *xsum;     /* [m, k / 32] scale * code sum */
 } matmul_t;
 
 /* Bytes of one group's block. */
@@ -113,7 +122,9 @@ void ifb_interleave(const uint8_t *src, long n, long k, int kind, uint8_t *dst) 
                     out[(h / 2) * 2 * GROUP + 2 * c] = blk ? blk[h] : 0;
                     out[(h / 2) * 2 * GROUP + 2 * c + 1] = blk ? blk[h + 1] : 0;
                 }
-                for (long i = 0; i < codes; i++) out[head * GROUP + i * GROUP + c] = blk ? blk[head + i] : 0;
+                for (long i = 0; i < codes; i++) /* Q8_0: code + 128, an unsigned byte */
+                    out[head * GROUP + (i / 4) * CHUNK + c * 4 + i % 4] =
+                        (uint8_t)((blk ? blk[head + i] : 0) ^ (kind == Q8_0 ? 0x80 : 0));
             }
         }
 }
@@ -128,9 +139,15 @@ typedef __m512 vec;
 
 INLINE vec halves16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* Weights i and i + 16 of 16 columns from their code bytes. */
-INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
-    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+/* Code byte i (0..255) of each of the 16 columns. */
+INLINE __m512i code_bytes(const uint8_t *q, int i) {
+    __m512i v = _mm512_loadu_si512((const void *)(q + (i / 4) * CHUNK));
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * (i % 4)), _mm512_set1_epi32(0xFF));
+}
+
+/* Weights i and i + 16 of 16 columns from their code bytes i. */
+INLINE void q4_pair(const uint8_t *q, int i, vec d, vec m, int centered, vec *lo, vec *hi) {
+    __m512i c = code_bytes(q, i);
     __m512i l = _mm512_and_si512(c, _mm512_set1_epi32(0x0F)), h = _mm512_srli_epi32(c, 4);
     if (centered) {
         __m512i eight = _mm512_set1_epi32(8);
@@ -142,8 +159,8 @@ INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *
     }
 }
 
-INLINE vec q8_one(const int8_t *q, vec d) {
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+INLINE vec q8_one(const uint8_t *q, int i, vec d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(code_bytes(q, i), _mm512_set1_epi32(128))), d);
 }
 
 INLINE void store_group(float *y, vec v, long valid) {
@@ -163,6 +180,45 @@ INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
 INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 
 INLINE void cpu_relax(void) { _mm_pause(); }
+
+/* int8 activations: a chunk holds 4 code bytes per column; dot4 adds, per column, the products of
+ * its 4 bytes with 4 signed activation bytes. */
+#define MAX_RQ 4
+typedef __m512i wvec; /* a chunk of code bytes */
+typedef __m512i ivec; /* 16 int32 sums */
+INLINE ivec izero(void) { return _mm512_setzero_si512(); }
+INLINE wvec load_chunk(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE wvec low_nibbles(wvec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+INLINE wvec high_nibbles(wvec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+INLINE __m512i x4_at(const int8_t *x) {
+    int32_t v;
+    __builtin_memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+}
+#if defined(__AVX512VNNI__)
+/* 4-bit codes (0..15) */
+INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) { return _mm512_dpbusd_epi32(s, w, x4_at(x)); }
+/* Q8_0 codes stored + 128: sums that hold 128 * (the activations' sum) too (Q8_OFFSET) */
+INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) { return _mm512_dpbusd_epi32(s, w, x4_at(x)); }
+#define Q8_OFFSET 1
+#else
+INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
+    __m512i p = _mm512_maddubs_epi16(w, x4_at(x)); /* |pair| <= 2 * 15 * 127: no saturation */
+    return _mm512_add_epi32(s, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {
+    __m512i ws = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), xb = x4_at(x); /* signed codes */
+    xb = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(ws), _mm512_setzero_si512(), xb);
+    __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(ws), xb); /* |pair| <= 2 * 128 * 127 */
+    return _mm512_add_epi32(s, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+#define Q8_OFFSET 0
+#endif
+INLINE ivec isub(ivec s, int32_t v) { return _mm512_sub_epi32(s, _mm512_set1_epi32(v)); }
+INLINE ivec itimes254(ivec s) { return _mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)); }
+INLINE vec icvt_scaled(ivec s, float scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale)); }
+INLINE vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vec vset1(float v) { return _mm512_set1_ps(v); }
 
 #elif IFB_ISA == 256
 
@@ -184,25 +240,34 @@ INLINE vec halves16(const uint8_t *p) {
     return v;
 }
 
-INLINE __m256 q4_half(__m128i bytes8, __m256 d, __m256 m, int centered, int high) {
-    __m256i c = _mm256_cvtepu8_epi32(bytes8);
+/* Code byte i (0..255) of columns 0-7 (*a) and 8-15 (*b). */
+INLINE void code_bytes(const uint8_t *q, int i, __m256i *a, __m256i *b) {
+    const uint8_t *p = q + (i / 4) * CHUNK;
+    __m256i mask = _mm256_set1_epi32(0xFF);
+    *a = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)p), 8 * (i % 4)), mask);
+    *b = _mm256_and_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)), 8 * (i % 4)), mask);
+}
+
+INLINE __m256 q4_half(__m256i c, __m256 d, __m256 m, int centered, int high) {
     c = high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
     if (centered) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c, _mm256_set1_epi32(8))), d);
     return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), d), m);
 }
 
-INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
-    __m128i b0 = _mm_loadl_epi64((const __m128i *)q), b1 = _mm_loadl_epi64((const __m128i *)(q + 8));
+INLINE void q4_pair(const uint8_t *q, int i, vec d, vec m, int centered, vec *lo, vec *hi) {
+    __m256i b0, b1;
+    code_bytes(q, i, &b0, &b1);
     lo->a = q4_half(b0, d.a, m.a, centered, 0);
     lo->b = q4_half(b1, d.b, m.b, centered, 0);
     hi->a = q4_half(b0, d.a, m.a, centered, 1);
     hi->b = q4_half(b1, d.b, m.b, centered, 1);
 }
 
-INLINE vec q8_one(const int8_t *q, vec d) {
-    vec v = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), d.a),
-             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))),
-                           d.b)};
+INLINE vec q8_one(const uint8_t *q, int i, vec d) {
+    __m256i a, b, off = _mm256_set1_epi32(128);
+    code_bytes(q, i, &a, &b);
+    vec v = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a, off)), d.a),
+             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(b, off)), d.b)};
     return v;
 }
 
@@ -241,6 +306,68 @@ INLINE void vstore(float *p, vec v) {
 
 INLINE void cpu_relax(void) { _mm_pause(); }
 
+/* int8 activations (see the AVX-512 code): maddubs / madd in place of VNNI. */
+#define MAX_RQ 2
+typedef struct { __m256i a, b; } wvec;
+typedef wvec ivec;
+INLINE ivec izero(void) { ivec v = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return v; }
+INLINE wvec load_chunk(const uint8_t *p) {
+    wvec v = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+    return v;
+}
+INLINE wvec low_nibbles(wvec v) {
+    __m256i m = _mm256_set1_epi8(0x0F);
+    wvec r = {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)};
+    return r;
+}
+INLINE wvec high_nibbles(wvec v) {
+    __m256i m = _mm256_set1_epi8(0x0F);
+    wvec r = {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
+    return r;
+}
+INLINE __m256i x4_at(const int8_t *x) {
+    int32_t v;
+    __builtin_memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+INLINE __m256i madd_pairs(__m256i u, __m256i sx) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), _mm256_set1_epi16(1)); }
+INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
+    __m256i xb = x4_at(x);
+    ivec r = {_mm256_add_epi32(s.a, madd_pairs(w.a, xb)), _mm256_add_epi32(s.b, madd_pairs(w.b, xb))};
+    return r;
+}
+INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {
+    __m256i xb = x4_at(x), flip = _mm256_set1_epi8((char)0x80);
+    __m256i wa = _mm256_xor_si256(w.a, flip), wb = _mm256_xor_si256(w.b, flip); /* signed codes */
+    ivec r = {_mm256_add_epi32(s.a, madd_pairs(_mm256_abs_epi8(wa), _mm256_sign_epi8(xb, wa))),
+              _mm256_add_epi32(s.b, madd_pairs(_mm256_abs_epi8(wb), _mm256_sign_epi8(xb, wb)))};
+    return r;
+}
+#define Q8_OFFSET 0
+INLINE ivec isub(ivec s, int32_t v) {
+    __m256i b = _mm256_set1_epi32(v);
+    ivec r = {_mm256_sub_epi32(s.a, b), _mm256_sub_epi32(s.b, b)};
+    return r;
+}
+INLINE ivec itimes254(ivec s) {
+    ivec r = {_mm256_sub_epi32(_mm256_slli_epi32(s.a, 8), _mm256_slli_epi32(s.a, 1)),
+              _mm256_sub_epi32(_mm256_slli_epi32(s.b, 8), _mm256_slli_epi32(s.b, 1))};
+    return r;
+}
+INLINE vec icvt_scaled(ivec s, float scale) {
+    __m256 f = _mm256_set1_ps(scale);
+    vec r = {_mm256_mul_ps(_mm256_cvtepi32_ps(s.a), f), _mm256_mul_ps(_mm256_cvtepi32_ps(s.b), f)};
+    return r;
+}
+INLINE vec vfmadd(vec a, vec b, vec c) {
+    vec r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+    return r;
+}
+INLINE vec vset1(float v) {
+    vec r = {_mm256_set1_ps(v), _mm256_set1_ps(v)};
+    return r;
+}
+
 #else
 
 #define MAX_R 4
@@ -259,17 +386,19 @@ INLINE vec halves16(const uint8_t *p) {
     return r;
 }
 
-INLINE void q4_pair(const uint8_t *q, vec d, vec m, int centered, vec *lo, vec *hi) {
+INLINE int code_byte(const uint8_t *q, int i, int c) { return q[(i / 4) * CHUNK + c * 4 + i % 4]; }
+
+INLINE void q4_pair(const uint8_t *q, int i, vec d, vec m, int centered, vec *lo, vec *hi) {
     for (int c = 0; c < GROUP; c++) {
-        int l = q[c] & 0x0F, h = q[c] >> 4;
+        int l = code_byte(q, i, c) & 0x0F, h = code_byte(q, i, c) >> 4;
         lo->v[c] = centered ? (float)(l - 8) * d.v[c] : (float)l * d.v[c] + m.v[c];
         hi->v[c] = centered ? (float)(h - 8) * d.v[c] : (float)h * d.v[c] + m.v[c];
     }
 }
 
-INLINE vec q8_one(const int8_t *q, vec d) {
+INLINE vec q8_one(const uint8_t *q, int i, vec d) {
     vec r;
-    for (int c = 0; c < GROUP; c++) r.v[c] = (float)q[c] * d.v[c];
+    for (int c = 0; c < GROUP; c++) r.v[c] = (float)(code_byte(q, i, c) - 128) * d.v[c];
     return r;
 }
 
@@ -298,6 +427,57 @@ INLINE void vstore(float *p, vec v) {
 }
 
 INLINE void cpu_relax(void) {}
+
+#define MAX_RQ 4
+typedef struct { uint8_t b[CHUNK]; } wvec;
+typedef struct { int32_t v[GROUP]; } ivec;
+INLINE ivec izero(void) { ivec r = {{0}}; return r; }
+INLINE wvec load_chunk(const uint8_t *p) {
+    wvec v;
+    for (int i = 0; i < CHUNK; i++) v.b[i] = p[i];
+    return v;
+}
+INLINE wvec low_nibbles(wvec v) {
+    for (int i = 0; i < CHUNK; i++) v.b[i] &= 0x0F;
+    return v;
+}
+INLINE wvec high_nibbles(wvec v) {
+    for (int i = 0; i < CHUNK; i++) v.b[i] >>= 4;
+    return v;
+}
+INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
+    for (int c = 0; c < GROUP; c++)
+        for (int j = 0; j < 4; j++) s.v[c] += (int32_t)w.b[4 * c + j] * x[j];
+    return s;
+}
+INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {
+    for (int c = 0; c < GROUP; c++)
+        for (int j = 0; j < 4; j++) s.v[c] += ((int32_t)w.b[4 * c + j] - 128) * x[j];
+    return s;
+}
+#define Q8_OFFSET 0
+INLINE ivec isub(ivec s, int32_t v) {
+    for (int c = 0; c < GROUP; c++) s.v[c] -= v;
+    return s;
+}
+INLINE ivec itimes254(ivec s) {
+    for (int c = 0; c < GROUP; c++) s.v[c] *= 254;
+    return s;
+}
+INLINE vec icvt_scaled(ivec s, float scale) {
+    vec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = (float)s.v[c] * scale;
+    return r;
+}
+INLINE vec vfmadd(vec a, vec b, vec c) {
+    for (int i = 0; i < GROUP; i++) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+INLINE vec vset1(float v) {
+    vec r;
+    for (int i = 0; i < GROUP; i++) r.v[i] = v;
+    return r;
+}
 
 #endif
 
@@ -336,7 +516,7 @@ INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int k
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) {
                     vec w = from_panel ? vload(wb + (long)c * k * GROUP + i * GROUP)
-                                       : q8_one((const int8_t *)q[c] + i * GROUP, d[c]);
+                                       : q8_one(q[c], i, d[c]);
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++) acc[r][c] = VFMA(w, xb + r * k + i, acc[r][c]);
                 }
@@ -350,7 +530,7 @@ INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int k
                         lo = vload(wb + (long)c * k * GROUP + i * GROUP);
                         hi = vload(wb + (long)c * k * GROUP + (i + QK / 2) * GROUP);
                     } else {
-                        q4_pair(q[c] + i * GROUP, d[c], m[c], kind == Q4_0, &lo, &hi);
+                        q4_pair(q[c], i, d[c], m[c], kind == Q4_0, &lo, &hi);
                     }
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++) {
@@ -387,11 +567,11 @@ INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
             const uint8_t *q = group_block(job, g0 + c, b, kind, &d, &m);
             float *ob = out + b * QK * GROUP;
             if (kind == Q8_0) {
-                for (int i = 0; i < QK; i++) vstore(ob + i * GROUP, q8_one((const int8_t *)q + i * GROUP, d));
+                for (int i = 0; i < QK; i++) vstore(ob + i * GROUP, q8_one(q, i, d));
             } else {
                 for (int i = 0; i < QK / 2; i++) {
                     vec lo, hi;
-                    q4_pair(q + i * GROUP, d, m, kind == Q4_0, &lo, &hi);
+                    q4_pair(q, i, d, m, kind == Q4_0, &lo, &hi);
                     vstore(ob + i * GROUP, lo);
                     vstore(ob + (i + QK / 2) * GROUP, hi);
                 }
@@ -459,7 +639,180 @@ INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
     }
 }
 
+/* ---- integer activations ----
+ * x is quantized per row and 32-block: scale s = max|x| / L, codes round(x * L / max|x|) (ties
+ * to even), with L = 127 (8-bit codes, llama.cpp's Q8_0 activations: one int8 pass) or L = 32258
+ * (about 15 bits: a code q is split exactly into q = 254 * q1 + q2 with q1, q2 in -127..127, and
+ * the block sum is 254 * sum(code_w * q1) + sum(code_w * q2): two int8 passes). A block's
+ * integer sum S = sum(code_w * code_x) is exact; then, block by block in one fixed order,
+ *   Q4_0: acc = fma((S - 8 * sum(code_x)) * s, d, acc)
+ *   Q4_1: acc = fma(S * s, d, acc); acc = fma(m, s * sum(code_x), acc)
+ *   Q8_0: acc = fma(S * s, d, acc)
+ * so a row's result is the same whatever the batch, the tiling, the threads or the ISA. */
+
+#define LEVELS_1 127.0f   /* one pass */
+#define LEVELS_2 32258.0f /* two passes: 254 * 127 */
+
+/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
+static void quantize_rows(const float *x, long m, long k, int passes, int8_t *xq, float *xs, int32_t *qsum,
+                          float *xsum) {
+    float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
+    for (long i = 0; i < m * (k / QK); i++) {
+        const float *p = x + i * QK;
+        int8_t *q = xq + i * QK, *q2 = q + m * k; /* the second part (two passes) */
+        int32_t sum = 0;
+#if IFB_ISA == 512
+        __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+        float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float inv = top > 0.0f ? levels / top : 0.0f;
+        __m512i lim = _mm512_set1_epi32((int)levels), nlim = _mm512_set1_epi32(-(int)levels);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
+        qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), nlim);
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        if (passes == 2) {
+            __m512 third = _mm512_set1_ps(1.0f / 254.0f);
+            __m512i ha = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qa), third));
+            __m512i hb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qb), third));
+            _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, itimes254(ha))));
+            _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qb, itimes254(hb))));
+            qa = ha;
+            qb = hb;
+        }
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+#else
+        float top = 0.0f;
+        for (int j = 0; j < QK; j++) top = fabsf(p[j]) > top ? fabsf(p[j]) : top;
+        float inv = top > 0.0f ? levels / top : 0.0f;
+        for (int j = 0; j < QK; j++) {
+            float v = nearbyintf(p[j] * inv); /* ties to even, as the vector conversion */
+            int c = v > levels ? (int)levels : v < -levels ? -(int)levels : (int)v;
+            sum += c;
+            if (passes == 2) {
+                int h = (int)nearbyintf((float)c * (1.0f / 254.0f));
+                q2[j] = (int8_t)(c - 254 * h);
+                c = h;
+            }
+            q[j] = (int8_t)c;
+        }
+#endif
+        xs[i] = top / levels;
+        qsum[i] = sum;
+        xsum[i] = xs[i] * (float)sum;
+    }
+}
+
+INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
+    long k = job->k, nb = k / QK;
+    vec acc[MAX_RQ][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        ivec s[MAX_RQ][4];
+        vec d[4], m[4];
+        const uint8_t *q[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) s[r][c] = izero();
+        }
+        for (int pass = 0; pass < P; pass++) {
+        const int8_t *xb = job->xq + pass * job->m * k + r0 * k + b * QK;
+        if (pass > 0)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) s[r][c] = itimes254(s[r][c]);
+        if (kind == Q8_0) {
+#pragma GCC unroll 8
+            for (int t = 0; t < QK / 4; t++)
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    wvec w = load_chunk(q[c] + t * CHUNK);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
+                }
+        } else {
+#pragma GCC unroll 4
+            for (int t = 0; t < QK / 8; t++)
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) {
+                    wvec v = load_chunk(q[c] + t * CHUNK), lo = low_nibbles(v), hi = high_nibbles(v);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) {
+                        s[r][c] = dot4_u4(s[r][c], lo, xb + r * k + 4 * t);
+                        s[r][c] = dot4_u4(s[r][c], hi, xb + r * k + QK / 2 + 4 * t);
+                    }
+                }
+        }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            long rb = (r0 + r) * nb + b;
+            int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) {
+                vec v = icvt_scaled(kind == Q4_1 ? s[r][c] : isub(s[r][c], fix), job->xs[rb]);
+                acc[r][c] = vfmadd(v, d[c], acc[r][c]);
+                if (kind == Q4_1) acc[r][c] = vfmadd(m[c], vset1(job->xsum[rb]), acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++) {
+        long j = (g0 + c) * GROUP, valid = job->n - j;
+        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
+    }
+}
+
+/* Every row tile of rows [h0, h1) over groups [g, g + C). */
+INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int kind, int P) {
+    for (long r0 = h0; r0 < h1; r0 += MAX_RQ) {
+        long rows = h1 - r0;
+        if (rows >= MAX_RQ) tile_q8(job, r0, MAX_RQ, g, C, kind, P);
+#if MAX_RQ > 3
+        else if (rows == 3) tile_q8(job, r0, 3, g, C, kind, P);
+#endif
+#if MAX_RQ > 2
+        else if (rows == 2) tile_q8(job, r0, 2, g, C, kind, P);
+#endif
+        else tile_q8(job, r0, 1, g, C, kind, P);
+    }
+}
+
+/* Rows per block of x: its codes stay in L2 while every group of the range passes over them. */
+#define XQ_BLOCK_BYTES 262144L
+
+INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
+    long height = XQ_BLOCK_BYTES / job->k;
+    if (height < MAX_RQ) height = MAX_RQ;
+    for (long h0 = 0; h0 < job->m; h0 += height) {
+        long h1 = h0 + height < job->m ? h0 + height : job->m, g = g0;
+        if (h1 - h0 == 1) /* one row: more columns at once keep more sums in flight */
+            for (; g + 4 <= g1; g += 4) rows_q8(job, h0, h1, g, 4, kind, P);
+        for (; g + 2 <= g1; g += 2) rows_q8(job, h0, h1, g, 2, kind, P);
+        for (; g < g1; g++) rows_q8(job, h0, h1, g, 1, kind, P);
+    }
+}
+
 static void run_columns(const matmul_t *job, long g0, long g1) {
+    if (job->passes) {
+        int P = job->passes == 2 ? 2 : 1;
+        if (job->kind == Q4_0)
+            P == 2 ? groups_q8(job, g0, g1, Q4_0, 2) : groups_q8(job, g0, g1, Q4_0, 1);
+        else if (job->kind == Q4_1)
+            P == 2 ? groups_q8(job, g0, g1, Q4_1, 2) : groups_q8(job, g0, g1, Q4_1, 1);
+        else
+            P == 2 ? groups_q8(job, g0, g1, Q8_0, 2) : groups_q8(job, g0, g1, Q8_0, 1);
+        return;
+    }
     if (job->kind == Q4_0)
         groups(job, g0, g1, Q4_0);
     else if (job->kind == Q4_1)
@@ -879,11 +1232,32 @@ static void run_job(const job_t *job, long work) {
 }
 
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
- * (interleaved by ifb_interleave from GGUF blocks of `kind`), plus bias [n] (or NULL). */
-void ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, const float *bias,
-                      float *y, long n) {
+ * (interleaved by ifb_interleave from GGUF blocks of `kind`), plus bias [n] (or NULL). `passes`:
+ * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0). */
+void ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                      const float *bias, float *y, long n) {
     if (kind < Q4_0 || kind > Q8_0) return;
-    job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, x, m, k, n, blocks, bias, y}};
+    job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, 0, x, m, k, n, blocks, bias, y}};
+    if (passes == 1 || passes == 2) { /* the caller's buffers: helpers read them only while it waits */
+        static __thread uint8_t *buf;
+        static __thread size_t cap;
+        size_t nbk = (size_t)(m * (k / QK)), need = (size_t)(passes * m * k) + 12 * nbk;
+        if (need > cap) {
+            uint8_t *grown = (uint8_t *)realloc(buf, need);
+            if (grown == NULL) return;
+            buf = grown;
+            cap = need;
+        }
+        float *xs = (float *)buf, *xsum = xs + nbk; /* the 4-byte arrays first: aligned */
+        int32_t *qsum = (int32_t *)(xsum + nbk);
+        int8_t *xq = (int8_t *)(qsum + nbk);
+        quantize_rows(x, m, k, passes, xq, xs, qsum, xsum);
+        job.mm.passes = passes;
+        job.mm.xq = xq;
+        job.mm.xs = xs;
+        job.mm.qsum = qsum;
+        job.mm.xsum = xsum;
+    }
     run_job(&job, m * n * (k / QK));
 }
 
@@ -926,6 +1300,7 @@ void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hk
 
 typedef struct {
     long kind;                     /* Q4_0, Q4_1 or Q8_0 */
+    long passes;                   /* integer activations (see ifb_block_matmul) */
     const uint8_t *blocks;         /* interleaved, as ifb_block_matmul reads them */
     const float *bias;             /* or NULL */
     long n, k;                     /* output and input features */
@@ -956,7 +1331,7 @@ typedef struct {
 } step_t;
 
 static void matmul_rows(const weight_t *w, const float *x, long m, float *y) {
-    ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, w->bias, y, w->n);
+    ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y, w->n);
 }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)) over each of `rows` rows of `dim` (out may be x). */

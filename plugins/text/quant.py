@@ -5,9 +5,12 @@ bytes it streams: the default model's 4-bit blocks are about a sixth of its
 float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
 (and its output head) for modules that multiply the GGUF blocks directly:
 
-- ``BlockLinear`` (the default): the native kernels of ``qkernels``. They
-  rebuild each block's weights in float32 exactly as the float32 path's
-  dequantization does and multiply float32 activations, so the quantized model
+- ``BlockLinear`` (the default): the native kernels of ``qkernels``. By
+  default each input row is quantized per block of 32 to codes of about 15
+  bits and multiplied in integers (``activations="int16"``; ``"int8"`` is
+  llama.cpp's coarser and faster 8-bit scheme); with ``"float32"`` (the
+  ``weights-only`` quantization mode) they rebuild each block's weights in
+  float32 exactly as the float32 path's dequantization does, so the model
   differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
   (the default model's tied embedding, hence its output head) are read.
 - ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
@@ -111,8 +114,13 @@ def concat(parts: list[BlockWeight]) -> BlockWeight:
 class BlockLinear(nn.Module):
     """``nn.Linear``'s call signature over GGUF blocks, computed by the native kernels (float32 out)."""
 
-    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels) -> None:
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels, *,
+                 activations: qkernels.Activations = "int16") -> None:
         super().__init__()
+        if activations not in qkernels.ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(qkernels.ACTIVATIONS)}, not {activations!r}")
+        #: how input rows are multiplied (``Kernels.block_matmul``)
+        self.activations = activations
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
         self.kind = KINDS[weight.qtype]
@@ -125,11 +133,13 @@ class BlockLinear(nn.Module):
         if x.shape[-1] != self.in_features:  # the C code would read past the rows
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = self.kernels.block_matmul(rows, self.blocks, self.kind, self.out_features, self.bias)
+        out = self.kernels.block_matmul(rows, self.blocks, self.kind, self.out_features, self.bias,
+                                        activations=self.activations)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks, "
+                f"{self.activations} activations")
 
 
 @attrs.frozen
@@ -140,11 +150,13 @@ class QuantizationReport:
     num_quantized: int
     num_kept: int
     head: str
+    activations: str = "float32"
 
     def describe(self) -> str:
         if self.backend is None:
             return "float32"
-        return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}), "
+        return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}, {self.activations} "
+                "activations), "
                 f"{self.num_kept} in float32, output head {self.head}")
 
 
@@ -162,9 +174,10 @@ def choose_backend() -> Backend | None:
 class _Swapper:
     """Builds the replacement module for one projection, or says why not (None)."""
 
-    def __init__(self, backend: Backend, raw: Mapping[str, GGUFTensor]) -> None:
+    def __init__(self, backend: Backend, raw: Mapping[str, GGUFTensor], activations: qkernels.Activations) -> None:
         self.backend = backend
         self.raw = raw
+        self.activations = activations
         self.kernels = qkernels.load() if backend == "native" else None
         if backend == "native" and self.kernels is None:
             raise RuntimeError("the native GGUF kernels cannot be built here (see the warning above)")
@@ -178,7 +191,7 @@ class _Swapper:
 
     def module(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
         if self.kernels is not None:
-            return BlockLinear(weight, bias, self.kernels)
+            return BlockLinear(weight, bias, self.kernels, activations=self.activations)
         return quant_torch.Int4Linear(weight.to_int4pack(), bias)
 
 
@@ -216,12 +229,13 @@ def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int
     return done, kept
 
 
-def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor],
-                   backend: Backend | None = None) -> QuantizationReport:
+def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], backend: Backend | None = None,
+                   *, activations: qkernels.Activations = "int16") -> QuantizationReport:
     """Swap a loaded ``TextModel``'s quantized GGUF projections for block matmuls (in place).
 
     ``raw_tensors`` is ``gguf_loader.read_gguf_tensors(path)``; ``backend``
-    defaults to ``choose_backend()``. Projections stored in other types keep
+    defaults to ``choose_backend()``; ``activations`` applies to the native one
+    (``BlockLinear``). Projections stored in other types keep
     their float32 ``nn.Linear``. The output head moves to blocks as well when
     any projection did: read as stored with the native kernels, re-quantized
     to 4 bits with exact re-scoring of the top rows with torch's.
@@ -229,7 +243,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor],
     backend = backend or choose_backend()
     if backend is None:
         return QuantizationReport(None, 0, 0, "float32")
-    swap = _Swapper(backend, raw_tensors)
+    swap = _Swapper(backend, raw_tensors, activations)
     done = kept = 0
     for i, layer in enumerate(model.model.layers):
         a, b = _swap_layer(layer, f"model.layers.{i}", swap)
@@ -247,7 +261,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor],
             weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
             model.head = quant_torch.RescoredHead(weight.detach())
             head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
-    return QuantizationReport(backend, done, kept, head)
+    return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations)
 
 
 def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:

@@ -31,8 +31,20 @@ Q = gguf.GGMLQuantizationType
 KERNELS = qkernels.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
 needs_int4 = pytest.mark.skipif(not quant_torch.supported(), reason="torch has no int4 CPU kernel")
-# The AVX2 code as well where the CPU would otherwise build only the AVX-512 one.
-KERNEL_BUILDS = [KERNELS] + ([qkernels.load("x86-64-v3")] if KERNELS is not None and KERNELS.isa == 512 else [])
+
+
+def _other_builds() -> list[tuple[str, qkernels.Kernels | None]]:
+    """Where the CPU runs them: the AVX2 code, and the AVX-512 code without VNNI."""
+    if KERNELS is None or KERNELS.isa != 512:
+        return []
+    builds = [("avx2", qkernels.load("x86-64-v3"))]
+    if "avx512_vnni" in Path("/proc/cpuinfo").read_text():
+        builds.append(("avx512", qkernels.load("skylake-avx512")))
+    return builds
+
+
+KERNEL_BUILD_NAMES, _builds = zip(("native", KERNELS), *_other_builds())
+KERNEL_BUILDS = list(_builds)
 PROMPTS = [[5, 17, 33], list(range(40, 61)), [7] * 9, list(range(100, 137))]
 
 
@@ -46,6 +58,22 @@ def gguf_tensor(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFTensor:
     """A random [n, k] matrix quantized by gguf itself."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
     return GGUFTensor(gguf_name="w", ggml_type=qtype, shape=(n, k), data=gguf.quants.quantize(w, qtype))
+
+
+#: the integer activations' code range (``qkernels.ACTIVATIONS``)
+LEVELS = {"int8": 127.0, "int16": 32258.0}
+
+
+def integer_rows(x: torch.Tensor, activations: str) -> torch.Tensor:
+    """``x`` as the integer-activation kernels see it: per 32-block, codes ``round(x * L / max|x|)``
+    (ties to even) times the scale ``max|x| / L``, in float64."""
+    levels = LEVELS[activations]
+    blocks = x.reshape(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    # tensor / tensor: a true division (a scalar / tensor may run as a reciprocal and a product)
+    inv = torch.where(top > 0, torch.full_like(top, levels) / top, torch.zeros_like(top))
+    codes = (blocks * inv).round().clamp(-levels, levels)
+    return (codes.double() * (top / levels).double()).reshape(x.shape)
 
 
 def random_blocks(qtype: Q, n: int, k: int, seed: int = 0) -> quant.BlockWeight:
@@ -68,25 +96,34 @@ def test_blocks_dequantize_like_gguf(qtype: Q) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: ["native", "avx2"][i])
-def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q, build: int) -> None:
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
+@pytest.mark.parametrize("activations", ["int16", "int8", "float32"])
+def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qtype: Q, build: int,
+                                                                             activations: str) -> None:
     kernels = KERNEL_BUILDS[build]
     assert kernels is not None and kernels.isa in (256, 512)
     # 130 outputs: 8 groups of 16 columns and a padded ninth
     block = random_blocks(qtype, 130, 160, seed=1)
-    linear = quant.BlockLinear(block, torch.randn(130), kernels)
+    linear = quant.BlockLinear(block, torch.randn(130), kernels, activations=activations)  # type: ignore[arg-type]
     x = torch.randn(45, 160, generator=torch.Generator().manual_seed(2))
-    ref = nn.functional.linear(x, block.dequantize(), linear.bias)
+    x[3] = 0.0  # an all-zero row: zero scales
+    weights = block.dequantize().double()
+    rows = x.double() if activations == "float32" else integer_rows(x, activations)
+    ref = nn.functional.linear(rows, weights, linear.bias.double())
     full = linear(x)
-    assert full.dtype == torch.float32 and torch.allclose(full, ref, rtol=1e-5, atol=1e-4)
+    assert full.dtype == torch.float32 and torch.allclose(full.double(), ref, rtol=1e-5, atol=1e-4)
+    exact = nn.functional.linear(x.double(), weights, linear.bias.double())
+    error = (full.double() - exact).abs().max().item() / exact.abs().max().item()
+    # 8-bit codes move a result by well under 1% of the output's scale; 15-bit ones 256 times less
+    assert error < {"int8": 1e-2, "int16": 1e-4, "float32": 1e-6}[activations]
     with pytest.raises(ValueError, match="expected 160 input features"):
         linear(x[:, :96])
     threads = kernels.num_threads
     try:
         for n in (1, 2, 3):
             kernels.set_num_threads(n)
-            # every row alone, and windows of rows (few rows: weights unpacked in each tile; 32 and
-            # more: unpacked once into a panel), give the bits they gave in the full batch
+            # every row alone, and windows of rows (float32: few rows unpack the weights in each
+            # tile, 32 and more once into a panel), give the bits they gave in the full batch
             assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(45))
             assert all(torch.equal(linear(x[i:i + w]), full[i:i + w])
                        for w in (2, 5, 9, 13, 17, 32, 37) for i in range(0, 45 - w, 3))
@@ -95,7 +132,21 @@ def test_native_matmul_matches_float32_on_every_row_whatever_the_batch(qtype: Q,
 
 
 @needs_kernels
-@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: ["native", "avx2"][i])
+@pytest.mark.skipif(len(KERNEL_BUILDS) < 2, reason="this CPU runs one build of the kernels")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_integer_matmul_gives_the_same_bits_on_every_instruction_set(qtype: Q, activations: str) -> None:
+    # integer block sums, then the same float32 operations in the same order: the AVX-512 (VNNI
+    # or not) and AVX2 codes agree to the bit, so a checkpoint's output does not depend on the CPU
+    block = random_blocks(qtype, 70, 96, seed=8)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(9)) * 3
+    outs = [quant.BlockLinear(block, None, kernels, activations=activations)(x)  # type: ignore[arg-type]
+            for kernels in KERNEL_BUILDS if kernels is not None]
+    assert len(outs) == len(KERNEL_BUILDS) and all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
 def test_native_attention_matches_the_torch_path_and_ignores_chunking(build: int) -> None:
     kernels = KERNEL_BUILDS[build]
     assert kernels is not None
@@ -137,33 +188,44 @@ def test_torch_int4_fallback_is_close_and_row_invariant() -> None:
     assert torch.allclose(got.gather(1, top), exact.gather(1, top), atol=1e-5)
 
 
-def quantized(path: Path, backend: quant.Backend) -> tuple[nn.Module, quant.QuantizationReport]:
+def quantized(path: Path, backend: quant.Backend,
+              activations: qkernels.Activations) -> tuple[nn.Module, quant.QuantizationReport]:
     model = build_model(load_checkpoint(path))
-    report = quant.quantize_model(model, read_gguf_tensors(path), backend)
+    report = quant.quantize_model(model, read_gguf_tensors(path), backend, activations=activations)
     if backend == "native":
         quant.use_native_attention(model, KERNELS)
     return model, report
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("native", marks=needs_kernels), pytest.param("torch-int4", marks=needs_int4)])
-def test_quantized_model_matches_float32_and_batches_like_solo(tiny_gguf: Path, backend: quant.Backend) -> None:
+@pytest.mark.parametrize(("backend", "activations"), [
+    pytest.param("native", "float32", marks=needs_kernels, id="native-weights-only"),
+    pytest.param("native", "int16", marks=needs_kernels, id="native-int16"),
+    pytest.param("native", "int8", marks=needs_kernels, id="native-int8"),
+    pytest.param("torch-int4", "float32", marks=needs_int4, id="torch-int4")])
+def test_quantized_model_matches_float32_and_batches_like_solo(tiny_gguf: Path, backend: quant.Backend,
+                                                               activations: qkernels.Activations) -> None:
     reference = build_model(load_checkpoint(tiny_gguf))
-    model, report = quantized(tiny_gguf, backend)
+    model, report = quantized(tiny_gguf, backend, activations)
     assert report.backend == backend and report.num_quantized == 7 * 2 and report.num_kept == 0
+    assert report.activations == (activations if backend == "native" else "bfloat16")
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.qkv_proj is not None and mlp.gate_up_proj is not None and not hasattr(attn, "q_proj")
     assert model.head is not None
     ids = PROMPTS[3]
     got, ref = prefill_logits(model, ids), prefill_logits(reference, ids)
-    if backend == "native":  # the same weights, summed in another order
-        assert (got - ref).abs().max().item() < 1e-4
+    error, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    if backend == "native" and activations == "float32":  # the same weights, summed in another order
+        assert error < 1e-4
+    elif activations == "int16":  # every matmul's input rounded to ~15 bits per block of 32
+        assert error < 1e-3 * scale
+    elif activations == "int8":  # ... to 8 bits
+        assert error < 0.1 * scale
     else:  # bfloat16 activations; only each row's best logits are re-scored exactly
         top = ref.topk(5, dim=-1).indices
         assert (got.gather(1, top) - ref.gather(1, top)).abs().max().item() < 0.1
     batched = greedy_generate_batch(model, PROMPTS, 10, block_size=4)
     assert batched == [greedy_generate(model, p, 10, block_size=4) for p in PROMPTS]
-    if backend == "native":
+    if backend == "native" and activations != "int8":
         assert batched == greedy_generate_batch(reference, PROMPTS, 10, block_size=4)
 
 
@@ -173,7 +235,8 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
     llm = LLM(str(tiny_gguf), enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
     try:
         runtime = llm.deployment.runtime
-        assert isinstance(runtime.model.model.layers[0].mlp.down_proj, quant.BlockLinear)
+        down = runtime.model.model.layers[0].mlp.down_proj
+        assert isinstance(down, quant.BlockLinear) and down.activations == "int16"
         assert runtime.step_torch_threads == 1
         assert runtime.model.model.layers[0].self_attn.attention_impl.__func__ is qkernels.Kernels.paged_attention
         assert isinstance(runtime.model.decoder_impl, NativeDecoder)
@@ -185,6 +248,12 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         assert [list(r.token_ids) for r in batched] == alone
     finally:
         llm.close()
+    exact = LLM(str(tiny_gguf), quantization="weights-only")
+    try:
+        down = exact.deployment.runtime.model.model.layers[0].mlp.down_proj
+        assert isinstance(down, quant.BlockLinear) and down.activations == "float32"
+    finally:
+        exact.close()
     fp32 = LLM(str(tiny_gguf), quantization="none")
     try:
         assert isinstance(fp32.deployment.runtime.model.model.layers[0].mlp.down_proj, nn.Linear)
@@ -204,26 +273,33 @@ def blocks_of(model: nn.Module, qtype: Q = Q.Q4_1) -> dict[str, GGUFTensor]:
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: str) -> None:
+@pytest.mark.parametrize("activations", ["float32", "int16", "int8"])
+def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: str,
+                                                          activations: qkernels.Activations) -> None:
     # qwen2 brings q/k/v biases, qwen3 the per-head q/k norms
     loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, seed=11))
     modules, native = build_model(loaded), build_model(loaded)
     raw = blocks_of(modules)
     for model in (modules, native):
-        quant.quantize_model(model, raw, "native")
+        quant.quantize_model(model, raw, "native", activations=activations)
         quant.use_native_attention(model, KERNELS)
     assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
     ids = PROMPTS[3]
-    assert (prefill_logits(native, ids) - prefill_logits(modules, ids)).abs().max().item() < 1e-4
+    got, ref = prefill_logits(native, ids), prefill_logits(modules, ids)
+    # integer codes: the norms' last-bit differences can move an activation code by one step
+    tolerance = {"float32": 1e-4, "int16": 1e-4 * ref.abs().max().item(), "int8": 0.02 * ref.abs().max().item()}
+    assert (got - ref).abs().max().item() < tolerance[activations]
     batched = greedy_generate_batch(native, PROMPTS, 10, block_size=4)
     assert batched == [greedy_generate(native, p, 10, block_size=4) for p in PROMPTS]
-    assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
+    if activations != "int8":
+        assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
 
 
 def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: Path) -> None:
     assert quantization_mode(DeployConfig()) == "auto"
     assert quantization_mode(DeployConfig(options={"quantization": "none"})) == "none"
-    with pytest.raises(ValueError, match="quantization must be one of auto, none"):
+    assert quantization_mode(DeployConfig(options={"quantization": "weights-only"})) == "weights-only"
+    with pytest.raises(ValueError, match="quantization must be one of auto, int8, weights-only, none"):
         quantization_mode(DeployConfig(options={"quantization": "int3"}))
     loaded = load_checkpoint(tiny_gguf)
     model = build_model(loaded)
