@@ -1,7 +1,9 @@
 """Decode speed of the default model, side by side in one process: ifb (quantized and float32)
 against the transformers ``generate`` baseline on the same GGUF weights.
 
-For each ifb weight path (``quantization="auto"``: the GGUF's blocks; ``"none"``: float32):
+For each ifb weight path (``--modes``; ``quantization="auto"``: the GGUF's blocks times
+15-bit integer activations, ``"int8"``: times 8-bit ones, ``"weights-only"``: times float32
+ones; ``"none"``: float32 weights):
 
 - batch 1 through ``ifb.LLM(enable_in_flight_batching=True)``: one greedy request of N tokens
   (``ignore_eos``) streamed after a warm-up; decode tokens/s is ``(N - 1) / (t_last - t_first)``,
@@ -141,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline (no ratios)")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON")
+    parser.add_argument("--modes", nargs="+", default=["auto", "int8", "weights-only", "none"],
+                        choices=("auto", "int8", "weights-only", "none"), help="ifb quantization modes to measure")
     args = parser.parse_args(argv)
 
     import torch
 
     report: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "tokens": args.tokens,
                               "concurrency": args.concurrency}
-    for quantization in ("auto", "none"):
+    for quantization in args.modes:
         print(f"ifb, quantization={quantization} ...", flush=True)
         report[f"ifb_{quantization}"] = measure_llm(quantization, args.tokens, args.concurrency, args.repeats)
         print(json.dumps(report[f"ifb_{quantization}"], indent=1), flush=True)
@@ -157,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
 
         report["hf"] = hf_baseline.measure(num_tokens=args.hf_tokens, batch_size=args.concurrency,
                                            repeats=args.hf_repeats)
-    print_table(report, args.concurrency)
+    print_table(report, args.concurrency, args.modes)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0
 
 
-def print_table(report: dict, concurrency: int) -> None:
+def print_table(report: dict, concurrency: int, modes: list[str]) -> None:
     hf = report.get("hf")
     base1 = hf["batch1_decode_tokens_per_s"] if hf else None
     base8 = hf["static_batch_generate_tokens_per_s"] if hf else None
@@ -173,11 +177,11 @@ def print_table(report: dict, concurrency: int) -> None:
             ("batch 1 decode (runtime.execute)", "direct_batch1_decode_tokens_per_s", base1),
             ("batch 8 decode (runtime.execute)", "direct_batch8_decode_tokens_per_s", base8),
             (f"{concurrency} concurrent, aggregate (LLM)", agg, base8)]
-    print(f"\n{'tokens/s':44} {'quantized':>10} {'float32':>10} {'q / hf':>8} {'f32 / hf':>8}")
+    print(f"\n{'tokens/s':44} " + " ".join(f"{m:>12}" for m in modes) + "   (ratio to transformers)")
     for title, key, base in rows:
-        q, f = report["ifb_auto"][key], report["ifb_none"][key]
-        ratio = (lambda v: f"{v / base:7.1f}x") if base else (lambda v: f"{'-':>8}")
-        print(f"{title:44} {q:10.1f} {f:10.1f} {ratio(q)} {ratio(f)}")
+        values = [report[f"ifb_{m}"][key] for m in modes]
+        ratios = " ".join(f"{v / base:5.1f}x" for v in values) if base else ""
+        print(f"{title:44} " + " ".join(f"{v:12.1f}" for v in values) + f"   {ratios}")
     if hf:
         print(f"{'transformers generate, batch 1 decode':44} {base1:10.1f}")
         print(f"{'transformers generate, static batch ' + str(concurrency):44} {base8:10.1f}")

@@ -216,6 +216,7 @@ INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {
 #endif
 INLINE ivec isub(ivec s, int32_t v) { return _mm512_sub_epi32(s, _mm512_set1_epi32(v)); }
 INLINE ivec itimes254(ivec s) { return _mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)); }
+INLINE ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 INLINE vec icvt_scaled(ivec s, float scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale)); }
 INLINE vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vec vset1(float v) { return _mm512_set1_ps(v); }
@@ -349,6 +350,10 @@ INLINE ivec isub(ivec s, int32_t v) {
     ivec r = {_mm256_sub_epi32(s.a, b), _mm256_sub_epi32(s.b, b)};
     return r;
 }
+INLINE ivec iadd(ivec a, ivec b) {
+    ivec r = {_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
+    return r;
+}
 INLINE ivec itimes254(ivec s) {
     ivec r = {_mm256_sub_epi32(_mm256_slli_epi32(s.a, 8), _mm256_slli_epi32(s.a, 1)),
               _mm256_sub_epi32(_mm256_slli_epi32(s.b, 8), _mm256_slli_epi32(s.b, 1))};
@@ -463,6 +468,10 @@ INLINE ivec isub(ivec s, int32_t v) {
 INLINE ivec itimes254(ivec s) {
     for (int c = 0; c < GROUP; c++) s.v[c] *= 254;
     return s;
+}
+INLINE ivec iadd(ivec a, ivec b) {
+    for (int c = 0; c < GROUP; c++) a.v[c] += b.v[c];
+    return a;
 }
 INLINE vec icvt_scaled(ivec s, float scale) {
     vec r;
@@ -721,36 +730,57 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) s[r][c] = izero();
         }
-        for (int pass = 0; pass < P; pass++) {
-        const int8_t *xb = job->xq + pass * job->m * k + r0 * k + b * QK;
-        if (pass > 0)
+        /* Two passes: small tiles unpack each chunk once and sum its products with the codes'
+         * high parts (s) and low parts (s2), then s = 254 * s + s2; larger ones (which would run
+         * out of registers so) go over the block twice, s = 254 * s between the passes. */
+        const int fused = P == 2 && R * C <= 4;
+        ivec s2[MAX_RQ][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) s2[r][c] = izero();
+        for (int pass = 0; pass < (fused ? 1 : P); pass++) {
+            const int8_t *xb = job->xq + pass * job->m * k + r0 * k + b * QK, *xb2 = xb + job->m * k;
+            if (pass > 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) s[r][c] = itimes254(s[r][c]);
+            if (kind == Q8_0) {
+#pragma GCC unroll 8
+                for (int t = 0; t < QK / 4; t++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) {
+                        wvec w = load_chunk(q[c] + t * CHUNK);
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
+                            if (fused) s2[r][c] = dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
+                        }
+                    }
+            } else {
+#pragma GCC unroll 4
+                for (int t = 0; t < QK / 8; t++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) {
+                        wvec v = load_chunk(q[c] + t * CHUNK), lo = low_nibbles(v), hi = high_nibbles(v);
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            s[r][c] = dot4_u4(s[r][c], lo, xb + r * k + 4 * t);
+                            s[r][c] = dot4_u4(s[r][c], hi, xb + r * k + QK / 2 + 4 * t);
+                            if (fused) {
+                                s2[r][c] = dot4_u4(s2[r][c], lo, xb2 + r * k + 4 * t);
+                                s2[r][c] = dot4_u4(s2[r][c], hi, xb2 + r * k + QK / 2 + 4 * t);
+                            }
+                        }
+                    }
+            }
+        }
+        if (fused)
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) s[r][c] = itimes254(s[r][c]);
-        if (kind == Q8_0) {
-#pragma GCC unroll 8
-            for (int t = 0; t < QK / 4; t++)
-#pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    wvec w = load_chunk(q[c] + t * CHUNK);
-#pragma GCC unroll 8
-                    for (int r = 0; r < R; r++) s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
-                }
-        } else {
-#pragma GCC unroll 4
-            for (int t = 0; t < QK / 8; t++)
-#pragma GCC unroll 4
-                for (int c = 0; c < C; c++) {
-                    wvec v = load_chunk(q[c] + t * CHUNK), lo = low_nibbles(v), hi = high_nibbles(v);
-#pragma GCC unroll 8
-                    for (int r = 0; r < R; r++) {
-                        s[r][c] = dot4_u4(s[r][c], lo, xb + r * k + 4 * t);
-                        s[r][c] = dot4_u4(s[r][c], hi, xb + r * k + QK / 2 + 4 * t);
-                    }
-                }
-        }
-        }
+                for (int c = 0; c < C; c++) s[r][c] = iadd(itimes254(s[r][c]), s2[r][c]);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             long rb = (r0 + r) * nb + b;
@@ -888,8 +918,8 @@ INLINE void axpy(float *y, float a, const float *x, long d) {
 }
 
 #if IFB_ISA == 512
-/* e^x for x <= 0 (softmax scores minus their maximum), to about 2 ulp: e^x = 2^n e^f with
- * |f| <= ln2 / 2, e^f from its degree-6 Taylor polynomial. */
+/* e^x for x <= 88, to about 2 ulp: e^x = 2^n e^f with |f| <= ln2 / 2, e^f from its degree-6
+ * Taylor polynomial. */
 INLINE __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* below, e^x is under float's normal range */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -906,6 +936,24 @@ INLINE __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 #endif
+
+/* act[r, i] = silu(gate) * up over `rows` rows of [gate | up] (2 * inter floats each). */
+static void silu_rows(const float *gu, long rows, long inter, float *act) {
+    for (long r = 0; r < rows; r++) {
+        const float *gate = gu + r * 2 * inter, *up = gate + inter;
+        float *out = act + r * inter;
+        long i = 0;
+#if IFB_ISA == 512
+        for (; i + 16 <= inter; i += 16) {
+            __m512 g = _mm512_loadu_ps(gate + i);
+            __m512 e = exp_nonpositive(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < inter; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
 
 /* p[j] = e^(p[j] - top) for j < n; returns their sum (in a fixed order). */
 static float exp_shifted(float *p, long n, float top) {
@@ -1394,10 +1442,7 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
         for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
         rms_norm_rows(x, t, hidden, L->mlp_norm, m->eps, h);
         matmul_rows(&L->gate_up, h, t, gu);
-        for (long r = 0; r < t; r++) {
-            const float *gate = gu + r * 2 * inter, *up = gate + inter;
-            for (long i = 0; i < inter; i++) act[r * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
+        silu_rows(gu, t, inter, act);
         matmul_rows(&L->down, act, t, delta);
         for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
     }
