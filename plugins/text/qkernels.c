@@ -1076,24 +1076,32 @@ INLINE void score_run(const float *q, const float *const *keys, long d, float sc
 
 static void attention_items(const attention_t *a, long i0, long i1) {
     long group = a->hq / a->hkv, d = a->d, bs = a->block_size, row = a->hkv * d;
-    /* room for a whole last run of scores */
+    /* room for a whole last run of scores, and of key addresses */
     float *p = (float *)malloc(sizeof(float) * (size_t)(a->max_ctx + SCORE_LANES));
-    if (p == NULL) return;
+    const float **keys = (const float **)malloc(sizeof(float *) * (size_t)(a->max_ctx + SCORE_LANES));
+    if (p == NULL || keys == NULL) {
+        free(p);
+        free(keys);
+        return;
+    }
     for (long i = i0; i < i1; i++) {
         long t = i / a->hkv, g = i % a->hkv, b = a->token_seq[t];
         long ctx = a->seq_lens[b] - (a->query_start_loc[b + 1] - t) + 1;
         const int64_t *table = a->block_tables + b * a->width;
+        if (scores_fit(d)) { /* the keys of kv head g, once for the group's query heads */
+            long j = 0;
+            for (long j0 = 0; j0 < ctx; j0 += bs) {
+                const float *k = a->k_cache + table[j0 / bs] * bs * row + g * d;
+                for (; j < ctx && j < j0 + bs; j++, k += row) keys[j] = k;
+            }
+            for (; j < ctx + SCORE_LANES; j++) keys[j] = NULL;
+        }
         for (long h = g * group; h < (g + 1) * group; h++) {
             const float *qh = a->q + t * a->q_stride + h * d;
             float top = -INFINITY, sum = 0.0f;
             /* position j is slot j % bs of block table[j / bs] */
             if (scores_fit(d)) {
-                for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) {
-                    const float *keys[SCORE_LANES];
-                    for (long j = j0; j < j0 + SCORE_LANES; j++)
-                        keys[j - j0] = j < ctx ? a->k_cache + (table[j / bs] * bs + j % bs) * row + g * d : NULL;
-                    score_run(qh, keys, d, a->scale, p + j0);
-                }
+                for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) score_run(qh, keys + j0, d, a->scale, p + j0);
                 for (long j = 0; j < ctx; j++)
                     if (p[j] > top) top = p[j];
             } else {
@@ -1124,6 +1132,7 @@ static void attention_items(const attention_t *a, long i0, long i1) {
         }
     }
     free(p);
+    free(keys);
 }
 
 static void run_items(const job_t *job, long i0, long i1) {
