@@ -842,9 +842,12 @@ static _Atomic int amx_state; /* 0: not asked yet, 1: usable, -1: refused by the
 
 /* Whether this process may use AMX tiles (Linux grants the state on request). */
 static int amx_usable(void) {
-    if (atomic_load(&amx_state) == 0)
-        atomic_store(&amx_state, syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0
-                                     ? 1 : -1);
+    if (atomic_load(&amx_state) == 0) {
+        const char *off = getenv("IFB_KERNEL_AMX"); /* "0": the vector code only */
+        int ok = !(off && off[0] == '0') &&
+                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        atomic_store(&amx_state, ok ? 1 : -1);
+    }
     return atomic_load(&amx_state) > 0;
 }
 

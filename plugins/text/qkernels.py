@@ -19,6 +19,10 @@ output columns or (token, head) pairs, never inside a sum, so no result depends 
 the batch or the thread count; the int8 path's results do not depend on the
 instruction set either.
 
+On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows get
+their integer block sums from AMX tile products, bit-identical to the vector
+code; ``IFB_KERNEL_AMX=0`` turns that off.
+
 The C file is built once per machine with the system C compiler (``$CC``, else
 ``cc``) and ``-O3 -march=native`` (``$IFB_KERNEL_MARCH`` replaces ``native``,
 e.g. ``x86-64-v3`` for the AVX2 code on an AVX-512 CPU) into the user cache
