@@ -53,19 +53,26 @@ class ServerMode:
     only: tuple[str, ...] | None = None
 
 
-#: seats of the batched modes: with the integer-activation kernels a decode row costs about the
-#: same from 8 rows up, so 16 seats admit twice the requests at a time for the same throughput
-BATCH = "16"
-MODES = (
-    ServerMode("ifb-inflight", f"ifb, in-flight batching (batch {BATCH})",
-               ("--enable-in-flight-batching", "--max-batch-size", BATCH)),
-    ServerMode("ifb-static", f"ifb, static batches (batch {BATCH})",
-               ("--enable-in-flight-batching", "--static-batching", "--max-batch-size", BATCH)),
-    ServerMode("ifb-blocking", "ifb, blocking path (one at a time)", ()),
-    ServerMode("ifb-inflight-reuse", f"ifb, in-flight batching + context reuse (batch {BATCH})",
-               ("--enable-in-flight-batching", "--enable-context-reuse", "--max-batch-size", BATCH),
-               only=("shared_prefix",)),
-)
+#: seats of the batched modes (``--max-batch-size``): with the integer-activation kernels a decode
+#: row costs about the same from 8 rows up, so 16 seats admit twice the requests at a time
+BATCH = 16
+
+
+def server_modes(batch: int = BATCH) -> tuple[ServerMode, ...]:
+    seats = str(batch)
+    return (
+        ServerMode("ifb-inflight", f"ifb, in-flight batching (batch {seats})",
+                   ("--enable-in-flight-batching", "--max-batch-size", seats)),
+        ServerMode("ifb-static", f"ifb, static batches (batch {seats})",
+                   ("--enable-in-flight-batching", "--static-batching", "--max-batch-size", seats)),
+        ServerMode("ifb-blocking", "ifb, blocking path (one at a time)", ()),
+        ServerMode("ifb-inflight-reuse", f"ifb, in-flight batching + context reuse (batch {seats})",
+                   ("--enable-in-flight-batching", "--enable-context-reuse", "--max-batch-size", seats),
+                   only=("shared_prefix",)),
+    )
+
+
+MODES = server_modes()
 HF_MODE = "hf-transformers"
 
 
@@ -261,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="Default: benchmarks/results/<date>[-quick].")
     parser.add_argument("--update-readme", action=argparse.BooleanOptionalAction, default=None,
                         help="Write the table into benchmarks/README.md (default: yes, except with --quick).")
+    parser.add_argument("--max-batch-size", type=int, default=BATCH, help="Seats of the batched modes.")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--table-only", type=Path, default=None, metavar="RESULTS_DIR",
                         help="Only rebuild the README table from an existing results directory.")
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         update_readme(README, render_table(args.table_only.resolve()))
         print(f"updated {README}")
         return 0
-    known = {m.name: m for m in MODES}
+    known = {m.name: m for m in server_modes(args.max_batch_size)}
     modes = [name.strip() for name in args.modes.split(",") if name.strip()]
     unknown = [name for name in modes if name not in known and name != HF_MODE]
     if unknown:
