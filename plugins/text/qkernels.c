@@ -499,6 +499,12 @@ INLINE const uint8_t *group_block(const matmul_t *job, long g, long b, int kind,
     return blk + (kind == Q4_1 ? 4 : 2) * GROUP;
 }
 
+/* Row r of y at group g: acc plus the bias, the padding columns dropped. */
+INLINE void store_output(const matmul_t *job, long r, long g, vec acc) {
+    long j = g * GROUP, valid = job->n - j;
+    store_group(job->y + r * job->n + j, vadd(acc, load_bias(job->bias ? job->bias + j : NULL, valid)), valid);
+}
+
 /* The calling thread's panel: C groups' weights unpacked, [C][k][16] floats (see unpack_panel). */
 static __thread float *panel_buf;
 static __thread long panel_cap;
@@ -552,12 +558,9 @@ INLINE void tile_from(const matmul_t *job, long r0, int R, long g0, int C, int k
         }
     }
 #pragma GCC unroll 4
-    for (int c = 0; c < C; c++) {
-        long j = (g0 + c) * GROUP, valid = job->n - j;
-        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
+    for (int c = 0; c < C; c++)
 #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
-    }
+        for (int r = 0; r < R; r++) store_output(job, r0 + r, g0 + c, acc[r][c]);
 }
 
 /* ---- many rows: unpack C groups once into a panel, then run every row tile over it ----
@@ -714,6 +717,15 @@ static void quantize_rows(const float *x, long m, long k, int passes, long part_
     }
 }
 
+/* acc after block b of row r: the block's integer sum s (Q8_0: with Q8_OFFSET's offset) through
+ * the float32 steps above, for weight scales d and minima m. */
+INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec d, vec m, vec acc) {
+    long rb = r * (job->k / QK) + b;
+    int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
+    acc = vfmadd(icvt_scaled(kind == Q4_1 ? s : isub(s, fix), job->xs[rb]), d, acc);
+    return kind == Q4_1 ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
+}
+
 INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
     long k = job->k, nb = k / QK;
     vec acc[MAX_RQ][4];
@@ -783,24 +795,14 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 4
                 for (int c = 0; c < C; c++) s[r][c] = iadd(itimes254(s[r][c]), s2[r][c]);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            long rb = (r0 + r) * nb + b;
-            int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
+        for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) {
-                vec v = icvt_scaled(kind == Q4_1 ? s[r][c] : isub(s[r][c], fix), job->xs[rb]);
-                acc[r][c] = vfmadd(v, d[c], acc[r][c]);
-                if (kind == Q4_1) acc[r][c] = vfmadd(m[c], vset1(job->xsum[rb]), acc[r][c]);
-            }
-        }
+            for (int c = 0; c < C; c++) acc[r][c] = block_step(job, r0 + r, b, kind, s[r][c], d[c], m[c], acc[r][c]);
     }
 #pragma GCC unroll 4
-    for (int c = 0; c < C; c++) {
-        long j = (g0 + c) * GROUP, valid = job->n - j;
-        vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
+    for (int c = 0; c < C; c++)
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r][c], bias), valid);
-    }
+        for (int r = 0; r < R; r++) store_output(job, r0 + r, g0 + c, acc[r][c]);
 }
 
 /* Every row tile of rows [h0, h1) over groups [g, g + C). */
@@ -926,22 +928,14 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g, int kind, int P) {
         group_block(job, g, b0, kind, &d, &m);
         int32_t(*c1)[GROUP] = cs[b0 & 1][0], (*c2)[GROUP] = cs[b0 & 1][1];
 #pragma GCC unroll 16
-        for (int r = 0; r < AMX_ROWS; r++) {
-            long rb = (r0 + r) * nb + b0;
+        for (int r = 0; r < AMX_ROWS; r++) { /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them */
             ivec s = _mm512_load_si512((const void *)c1[r]);
             if (P == 2) s = iadd(itimes254(s), _mm512_load_si512((const void *)c2[r]));
-            /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them */
-            int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 ? 128 * job->qsum[rb] : 0;
-            vec v = icvt_scaled(kind == Q4_1 ? s : isub(s, fix), job->xs[rb]);
-            acc[r] = vfmadd(v, d, acc[r]);
-            if (kind == Q4_1) acc[r] = vfmadd(m, vset1(job->xsum[rb]), acc[r]);
+            acc[r] = block_step(job, r0 + r, b0, kind, s, d, m, acc[r]);
         }
     }
-    long j = g * GROUP, valid = job->n - j;
-    vec bias = load_bias(job->bias ? job->bias + j : NULL, valid);
 #pragma GCC unroll 16
-    for (int r = 0; r < AMX_ROWS; r++)
-        store_group(job->y + (r0 + r) * job->n + j, vadd(acc[r], bias), valid);
+    for (int r = 0; r < AMX_ROWS; r++) store_output(job, r0 + r, g, acc[r]);
 }
 
 #if Q8_OFFSET != 1
