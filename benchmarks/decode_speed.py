@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-repeats", type=int, default=1)
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline (no ratios)")
     parser.add_argument("--out", type=Path, help="also write the numbers as JSON")
-    parser.add_argument("--modes", nargs="+", default=["auto", "int8", "weights-only", "none"],
-                        choices=("auto", "int8", "weights-only", "none"), help="ifb quantization modes to measure")
+    from ifb_plugins.text.build import QUANTIZATION_MODES
+
+    parser.add_argument("--modes", nargs="+", default=list(QUANTIZATION_MODES), choices=QUANTIZATION_MODES,
+                        help="ifb quantization modes to measure")
     args = parser.parse_args(argv)
 
     import torch

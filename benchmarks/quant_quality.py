@@ -58,7 +58,7 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float
     return mean, identical, prefixes
 
 
-def measure(num_tokens: int = 64, backend: str | None = None, activations: str = "int16") -> dict[str, Any]:
+def measure(num_tokens: int = 64, backend: str | None = None, activations: Any = "int16") -> dict[str, Any]:
     import torch
 
     from ifb_plugins.text import qkernels, quant
@@ -73,7 +73,7 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: str =
     reference = build_model(loaded)
     quantized = build_model(loaded)
     report = quant.quantize_model(quantized, read_gguf_tensors(path), backend,  # type: ignore[arg-type]
-                                  activations=activations)  # type: ignore[arg-type]
+                                  activations=activations)
     if report.backend == "native":  # as a deployment runs it: native matmuls and attention
         kernels = qkernels.load()
         assert kernels is not None
@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--backend", choices=("native", "torch-int4"), default=None,
                         help="quantized matmul to compare (default: what a deployment would pick)")
-    parser.add_argument("--activations", choices=("int16", "int8", "float32"), default="int16",
+    from ifb_plugins.text.qkernels import ACTIVATIONS
+
+    parser.add_argument("--activations", choices=tuple(ACTIVATIONS), default="int16",
                         help="the native kernels' activations (int8: quantization=int8, float32: weights-only)")
     args = parser.parse_args(argv)
     result = measure(args.tokens, args.backend, args.activations)

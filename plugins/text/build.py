@@ -16,10 +16,10 @@ from ifb_plugins.text.runtime import TextRuntime
 
 log = logging.getLogger("ifb.text")
 
-#: values of ``DeployConfig.options["quantization"]``
-QUANTIZATION_MODES = ("auto", "int8", "weights-only", "none")
 #: the native kernels' activations in each mode that runs the GGUF's blocks
 _ACTIVATIONS = {"auto": "int16", "int8": "int8", "weights-only": "float32"}
+#: values of ``DeployConfig.options["quantization"]``: those, and ``none`` (float32 weights)
+QUANTIZATION_MODES = (*_ACTIVATIONS, "none")
 
 
 def model_name_for(path: Path) -> str:

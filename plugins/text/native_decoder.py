@@ -53,8 +53,8 @@ def _ptr_of(t: torch.Tensor | None) -> int | None:
 
 
 def _weight(linear: BlockLinear) -> _Weight:
-    return _Weight(linear.kind, ACTIVATIONS[linear.activations], linear.blocks.data_ptr(), _ptr_of(linear.bias), linear.out_features,
-                   linear.in_features)
+    return _Weight(linear.kind, ACTIVATIONS[linear.activations], linear.blocks.data_ptr(), _ptr_of(linear.bias),
+                   linear.out_features, linear.in_features)
 
 
 def _fits(model: nn.Module) -> bool:

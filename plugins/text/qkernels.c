@@ -491,12 +491,31 @@ INLINE vec vset1(float v) {
 
 #endif
 
+/* Block b of group g: its start, and its codes after the 16 scales (and minima). */
+INLINE const uint8_t *group_start(const matmul_t *job, long g, long b, int kind) {
+    return job->blocks + (g * (job->k / QK) + b) * group_bytes(kind);
+}
+INLINE const uint8_t *group_codes(const matmul_t *job, long g, long b, int kind) {
+    return group_start(job, g, b, kind) + (kind == Q4_1 ? 4 : 2) * GROUP;
+}
+
 /* Block b of group g: its 16 scales d and minima m (Q4_0, Q8_0: m is d, unused); returns its codes. */
 INLINE const uint8_t *group_block(const matmul_t *job, long g, long b, int kind, vec *d, vec *m) {
-    const uint8_t *blk = job->blocks + (g * (job->k / QK) + b) * group_bytes(kind);
+    const uint8_t *blk = group_start(job, g, b, kind);
     *d = halves16(blk);
     *m = kind == Q4_1 ? halves16(blk + 2 * GROUP) : *d;
-    return blk + (kind == Q4_1 ? 4 : 2) * GROUP;
+    return group_codes(job, g, b, kind);
+}
+
+/* *buf with room for `need` bytes, grown with realloc; NULL (and *buf as it was) without memory. */
+static void *reserve(void **buf, size_t *cap, size_t need) {
+    if (need > *cap) {
+        void *grown = realloc(*buf, need);
+        if (grown == NULL) return NULL;
+        *buf = grown;
+        *cap = need;
+    }
+    return *buf;
 }
 
 /* Row r of y at group g: acc plus the bias, the padding columns dropped. */
@@ -507,7 +526,7 @@ INLINE void store_output(const matmul_t *job, long r, long g, vec acc) {
 
 /* The calling thread's panel: C groups' weights unpacked, [C][k][16] floats (see unpack_panel). */
 static __thread float *panel_buf;
-static __thread long panel_cap;
+static __thread size_t panel_cap; /* bytes */
 
 /* Rows [r0, r0 + R) by groups [g0, g0 + C), the weights unpacked from the blocks or (`from_panel`)
  * read from the thread's panel: `R`, `C`, `kind` and `from_panel` are constants at each call site,
@@ -620,8 +639,8 @@ INLINE void unpack_panel(const matmul_t *job, long g0, int C, int kind) {
 #error "MAX_R is 4 or 8"
 #endif
 
-INLINE void groups_by(const matmul_t *job, long g, int C, long h0, long h1, int kind) {
-    if (h1 - h0 >= PANEL_MIN_ROWS && panel_buf != NULL) {
+INLINE void groups_by(const matmul_t *job, long g, int C, long h0, long h1, int kind, int has_panel) {
+    if (h1 - h0 >= PANEL_MIN_ROWS && has_panel) {
         unpack_panel(job, g, C, kind);
         ROW_TILES(panel_tile)
     } else {
@@ -635,20 +654,16 @@ INLINE void groups_by(const matmul_t *job, long g, int C, long h0, long h1, int 
 INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
     long height = X_BLOCK_FLOATS / job->k / MAX_R * MAX_R;
     if (height < PANEL_MIN_ROWS) height = PANEL_MIN_ROWS;
-    if (job->m >= PANEL_MIN_ROWS && panel_cap < MAX_C * job->k * GROUP) {
-        float *buf = (float *)realloc(panel_buf, sizeof(float) * (size_t)(MAX_C * job->k * GROUP));
-        if (buf != NULL) { /* without it, tile() unpacks in place: the same results */
-            panel_buf = buf;
-            panel_cap = MAX_C * job->k * GROUP;
-        }
-    }
+    /* without a panel, tile() unpacks in place: the same results */
+    int has_panel = job->m >= PANEL_MIN_ROWS &&
+                    reserve((void **)&panel_buf, &panel_cap, sizeof(float) * (size_t)(MAX_C * job->k * GROUP));
     for (long h0 = 0; h0 < job->m; h0 += height) {
         long h1 = h0 + height < job->m ? h0 + height : job->m;
         long g = g0;
 #if MAX_C > 1
-        for (; g + MAX_C <= g1; g += MAX_C) groups_by(job, g, MAX_C, h0, h1, kind);
+        for (; g + MAX_C <= g1; g += MAX_C) groups_by(job, g, MAX_C, h0, h1, kind, has_panel);
 #endif
-        for (; g < g1; g++) groups_by(job, g, 1, h0, h1, kind);
+        for (; g < g1; g++) groups_by(job, g, 1, h0, h1, kind, has_panel);
     }
 }
 
@@ -667,12 +682,12 @@ INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
 #define LEVELS_2 32258.0f /* two passes: 254 * 127 */
 
 /* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
-static void quantize_rows(const float *x, long m, long k, int passes, long part_stride, int8_t *xq, float *xs,
-                          int32_t *qsum, float *xsum) {
+static void quantize_rows(const float *x, long m, long k, int passes, int8_t *xq, float *xs, int32_t *qsum,
+                          float *xsum) {
     float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
     for (long i = 0; i < m * (k / QK); i++) {
         const float *p = x + i * QK;
-        int8_t *q = xq + i * QK, *q2 = q + part_stride; /* the second part (two passes) */
+        int8_t *q = xq + i * QK, *q2 = q + m * k; /* the second part (two passes) */
         int32_t sum = 0;
 #if IFB_ISA == 512
         __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
@@ -824,8 +839,9 @@ INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int ki
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && IFB_ISA == 512
 /* ---- AMX tiles for the integer sums ----
  * Whole tiles of 16 rows (the rows left over go to the vector code): a block's sums for 16 rows
- * by 16 columns come from one tile product per pass: A = 16 rows of the block's 32 activation codes, B = the group block's 8 chunks as
- * its 8 rows (4 codes of each column side by side: the chunk layout is AMX's), C = int32 [16][16].
+ * by 16 columns come from one tile product per pass: A = 16 rows of the block's 32 activation
+ * codes, B = the group block's 8 chunks as its 8 rows (4 codes of each column side by side: the
+ * chunk layout is AMX's), C = int32 [16][16].
  * The sums are the same integers as dot4's, then the same float32 operations: bit-identical.
  * The tile products cost little; what is left is each block's float32 steps per row and the
  * trip of C through memory, so this gains about a fifth over VNNI (measured at 16-128 rows). */
@@ -870,11 +886,10 @@ static void amx_configure(void) {
     amx_configured = 1;
 }
 
-/* Block b's tile products for group g into the C tiles of `set` (tiles 2-4 or 5-7), stored to c1, c2. */
+/* Block b's tile products for group g, B in tile BT and C in C1T (C2T: second pass), stored to c1, c2. */
 #define AMX_PRODUCTS(BT, C1T, C2T)                                                        \
     do {                                                                                  \
-        vec d_, m_;                                                                       \
-        const uint8_t *q_ = group_block(job, g, b, kind, &d_, &m_);                       \
+        const uint8_t *q_ = group_codes(job, g, b, kind);                                 \
         if (kind == Q8_0) {                                                               \
             _tile_loadd(BT, q_, CHUNK);                                                   \
         } else { /* weights 4t..4t+3 are B's row t, weights 16 + 4t.. its row 4 + t */   \
@@ -891,15 +906,15 @@ static void amx_configure(void) {
         _tile_dpbsud(C1T, 0, BT);                                                         \
         _tile_stored(C1T, c1, 4 * GROUP);                                                 \
         if (P == 2) {                                                                     \
-            _tile_loadd(1, xb_ + job->m * k, k);                                    \
+            _tile_loadd(1, xb_ + job->m * k, k);                                          \
             _tile_zero(C2T);                                                              \
             _tile_dpbsud(C2T, 1, BT);                                                     \
             _tile_stored(C2T, c2, 4 * GROUP);                                             \
         }                                                                                 \
     } while (0)
 
-/* Rows [r0, r0 + 16) by group g. Block b + 1's tile products are issued before block b's float32 steps, so the two
- * overlap. */
+/* Rows [r0, r0 + 16) by group g. Block b + 1's tile products (tiles 2-4 and 5-7 in turn) are
+ * issued before block b's float32 steps, so the two overlap. */
 INLINE void tile_amx(const matmul_t *job, long r0, long g, int kind, int P) {
     if (!amx_configured) amx_configure();
     long k = job->k, nb = k / QK;
@@ -968,23 +983,23 @@ INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
     }
 }
 
-static void run_columns(const matmul_t *job, long g0, long g1) {
-    if (job->passes) {
-        int P = job->passes == 2 ? 2 : 1;
-        if (job->kind == Q4_0)
-            P == 2 ? groups_q8(job, g0, g1, Q4_0, 2) : groups_q8(job, g0, g1, Q4_0, 1);
-        else if (job->kind == Q4_1)
-            P == 2 ? groups_q8(job, g0, g1, Q4_1, 2) : groups_q8(job, g0, g1, Q4_1, 1);
-        else
-            P == 2 ? groups_q8(job, g0, g1, Q8_0, 2) : groups_q8(job, g0, g1, Q8_0, 1);
-        return;
-    }
-    if (job->kind == Q4_0)
-        groups(job, g0, g1, Q4_0);
-    else if (job->kind == Q4_1)
-        groups(job, g0, g1, Q4_1);
+/* Groups [g0, g1) of `kind` (a constant at each call site), by the job's activations. */
+INLINE void columns_of(const matmul_t *job, long g0, long g1, int kind) {
+    if (job->passes == 2)
+        groups_q8(job, g0, g1, kind, 2);
+    else if (job->passes == 1)
+        groups_q8(job, g0, g1, kind, 1);
     else
-        groups(job, g0, g1, Q8_0);
+        groups(job, g0, g1, kind);
+}
+
+static void run_columns(const matmul_t *job, long g0, long g1) {
+    if (job->kind == Q4_0)
+        columns_of(job, g0, g1, Q4_0);
+    else if (job->kind == Q4_1)
+        columns_of(job, g0, g1, Q4_1);
+    else
+        columns_of(job, g0, g1, Q8_0);
 }
 
 typedef struct {
@@ -1426,25 +1441,22 @@ static void run_job(const job_t *job, long work) {
 
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
  * (interleaved by ifb_interleave from GGUF blocks of `kind`), plus bias [n] (or NULL). `passes`:
- * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0). */
-void ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
-                      const float *bias, float *y, long n) {
-    if (kind < Q4_0 || kind > Q8_0) return;
+ * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0).
+ * 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
+int ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                     const float *bias, float *y, long n) {
+    if (kind < Q4_0 || kind > Q8_0) return -2;
     job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, 0, x, m, k, n, blocks, bias, y}};
     if (passes == 1 || passes == 2) { /* the caller's buffers: helpers read them only while it waits */
-        static __thread uint8_t *buf;
-        static __thread size_t cap;
-        size_t nbk = (size_t)(m * (k / QK)), need = (size_t)(passes * m * k) + 12 * nbk;
-        if (need > cap) {
-            uint8_t *grown = (uint8_t *)realloc(buf, need);
-            if (grown == NULL) return;
-            buf = grown;
-            cap = need;
-        }
+        static __thread void *codes_buf;
+        static __thread size_t codes_cap;
+        size_t nbk = (size_t)(m * (k / QK));
+        void *buf = reserve(&codes_buf, &codes_cap, (size_t)(passes * m * k) + 12 * nbk);
+        if (buf == NULL) return -1;
         float *xs = (float *)buf, *xsum = xs + nbk; /* the 4-byte arrays first: aligned */
         int32_t *qsum = (int32_t *)(xsum + nbk);
         int8_t *xq = (int8_t *)(qsum + nbk);
-        quantize_rows(x, m, k, passes, m * k, xq, xs, qsum, xsum);
+        quantize_rows(x, m, k, passes, xq, xs, qsum, xsum);
         job.mm.passes = passes;
 #if HAS_AMX
         job.mm.use_amx = m >= AMX_ROWS && amx_usable();
@@ -1455,6 +1467,7 @@ void ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int
         job.mm.xsum = xsum;
     }
     run_job(&job, m * n * (k / QK));
+    return 0;
 }
 
 /* Which sequence each query token belongs to; returns the longest context and sets *work (in
@@ -1526,8 +1539,8 @@ typedef struct {
     float *const *k_caches, *const *v_caches; /* [num_layers] of [blocks, block_size, hkv, d] */
 } step_t;
 
-static void matmul_rows(const weight_t *w, const float *x, long m, float *y) {
-    ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y, w->n);
+static int matmul_rows(const weight_t *w, const float *x, long m, float *y) {
+    return ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y, w->n);
 }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)) over each of `rows` rows of `dim` (out may be x). */
@@ -1547,7 +1560,8 @@ static void rope_in_place(float *x, long d, const float *cos, const float *sin, 
     for (long i = 0; i < d; i++) x[i] = tmp[i];
 }
 
-/* Run every layer over the step's tokens; x [t, hidden] is updated in place. 0, or -1 without memory. */
+/* Run every layer over the step's tokens; x [t, hidden] is updated in place. 0, or what failed:
+ * -1 without memory. */
 int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
     long t = s->t, hidden = m->hidden, inter = m->intermediate, hq = m->hq, hkv = m->hkv, d = m->d;
     long row = (hq + 2 * hkv) * d;
@@ -1563,10 +1577,11 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
     float *act = gu + t * 2 * inter, *delta = act + t * inter, *tmp = delta + t * hidden;
     long work;
     long max_ctx = plan_attention(s->query_start_loc, s->seq_lens, s->num_seqs, hq, d, token_seq, &work);
+    int status = 0;
     for (long l = 0; l < m->num_layers; l++) {
         const layer_t *L = &m->layers[l];
         rms_norm_rows(x, t, hidden, L->attn_norm, m->eps, h);
-        matmul_rows(&L->qkv, h, t, qkv);
+        if ((status = matmul_rows(&L->qkv, h, t, qkv)) != 0) break;
         for (long r = 0; r < t; r++) {
             float *q = qkv + r * row, *k = q + hq * d, *v = k + hkv * d;
             if (L->q_norm != NULL) {
@@ -1586,15 +1601,15 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
                                s->block_tables, s->width, s->query_start_loc, s->seq_lens, token_seq, max_ctx,
                                1.0f / sqrtf((float)d), att};
         run_job(&job, work);
-        matmul_rows(&L->o, att, t, delta);
+        if ((status = matmul_rows(&L->o, att, t, delta)) != 0) break;
         for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
         rms_norm_rows(x, t, hidden, L->mlp_norm, m->eps, h);
-        matmul_rows(&L->gate_up, h, t, gu);
+        if ((status = matmul_rows(&L->gate_up, h, t, gu)) != 0) break;
         silu_rows(gu, t, inter, act);
-        matmul_rows(&L->down, act, t, delta);
+        if ((status = matmul_rows(&L->down, act, t, delta)) != 0) break;
         for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
     }
     free(buf);
     free(token_seq);
-    return 0;
+    return status;
 }

@@ -2,12 +2,12 @@
 
 - ``block_matmul``: matmuls that read Q4_0 / Q4_1 / Q8_0 blocks (regrouped
   once by ``interleave`` so that 16 output columns sit side by side, same
-  bytes). By default each activation row is quantized to int8 per block of 32
-  (as llama.cpp's CPU path does) and a block's product is an exact integer sum
-  (AVX-512 VNNI, else AVX-512BW / AVX2 byte multiplies): about 3x the speed of
-  rebuilding the weights in float32 at any batch size. With float32
-  activations the result differs from a float32 matmul on the dequantized
-  weights by summation order only. (torch's packed int4 CPU matmul needs
+  bytes). By default each activation row is quantized per block of 32 to
+  codes of about 15 bits (``int8``: 8 bits, as llama.cpp's CPU path does) and
+  a block's product is an exact integer sum (AVX-512 VNNI, else AVX-512BW /
+  AVX2 byte multiplies): about 1.5-2.7x the speed of rebuilding the weights
+  in float32 (``int8``: 2-3x). With float32 activations the result differs
+  from a float32 matmul on the dequantized weights by summation order only. (torch's packed int4 CPU matmul needs
   bfloat16 activations for speed, and for the few rows of a decode step it is
   limited by its unpacking more than by memory.)
 - ``paged_attention``: causal attention over the paged KV cache that computes
@@ -16,7 +16,7 @@
 
 Work is split over a small pool of threads (``set_num_threads``) by groups of
 output columns or (token, head) pairs, never inside a sum, so no result depends on
-the batch or the thread count; the int8 path's results do not depend on the
+the batch or the thread count; the integer paths' results do not depend on the
 instruction set either.
 
 On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows get
@@ -109,7 +109,7 @@ class Kernels:
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._matmul = lib.ifb_block_matmul
         self._matmul.argtypes = [ptr, long, long, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, long]
-        self._matmul.restype = None
+        self._matmul.restype = ctypes.c_int
         self._interleave = lib.ifb_interleave
         self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
         self._interleave.restype = None
@@ -157,8 +157,12 @@ class Kernels:
         if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
             raise ValueError(f"{tuple(blocks.shape)} interleaved blocks do not hold {n} rows of {k}")
         out = torch.empty(m, n, dtype=torch.float32)
-        self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, ACTIVATIONS[activations],
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        status = self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, ACTIVATIONS[activations],
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        if status == -1:
+            raise MemoryError(f"no memory for the codes of {m} x {k} activations")
+        if status != 0:
+            raise ValueError(f"unknown block kind {kind}")
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
