@@ -18,6 +18,7 @@ fixed set of chat prompts, each greedy-decoded for N tokens on both paths:
     python benchmarks/quant_quality.py                        # the native kernels (the default)
     python benchmarks/quant_quality.py --activations int8     # ... with 8-bit activations
     python benchmarks/quant_quality.py --backend torch-int4   # torch's int4 fallback
+    python benchmarks/quant_quality.py --kv-cache-dtype float32   # ... with a float32 KV cache
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float
     return mean, identical, prefixes
 
 
-def measure(num_tokens: int = 64, backend: str | None = None, activations: Any = "int16") -> dict[str, Any]:
+def measure(num_tokens: int = 64, backend: str | None = None, activations: Any = "int16",
+            kv_cache: str = "auto") -> dict[str, Any]:
     import torch
+
+    from ifb.capabilities import DeployConfig
+    from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, mode_for_activations
 
     from ifb_plugins.text import qkernels, quant
     from ifb_plugins.text.default_model import resolve_model
@@ -80,30 +85,34 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
         kernels.set_num_threads(torch.get_num_threads())
         quant.use_native_attention(quantized, kernels)
         use_native_decoder(quantized, kernels)
+    # the quantized path's KV cache as a deployment of that mode would hold it
+    kv_dtype = kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": kv_cache}), mode_for_activations(activations),
+                              PreparedModel(report.describe(), is_native=report.backend == "native"))
     tok = loaded.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
 
     worst_first = worst_all = scale = 0.0
     for ids in prompts:
         with torch.inference_mode():
-            a, b = _prefill_logits(quantized, ids), _prefill_logits(reference, ids)
+            a, b = _prefill_logits(quantized, ids, kv_dtype), _prefill_logits(reference, ids)
         worst_first = max(worst_first, (a[-1] - b[-1]).abs().max().item())
         worst_all = max(worst_all, (a - b).abs().max().item())
         scale = max(scale, b.abs().max().item())
     with torch.inference_mode():
-        ours = greedy_generate_batch(quantized, prompts, num_tokens)
+        ours = greedy_generate_batch(quantized, prompts, num_tokens, kv_dtype=kv_dtype)
         ref = greedy_generate_batch(reference, prompts, num_tokens)
     mean, identical, prefixes = agreement(ours, ref)
     same = total = 0
     for ids, answer in zip(prompts, ref):
         text = ids + answer[:-1]
         with torch.inference_mode():
-            a, b = _prefill_logits(quantized, text), _prefill_logits(reference, text)
+            a, b = _prefill_logits(quantized, text, kv_dtype), _prefill_logits(reference, text)
         picks_a, picks_b = a[len(ids) - 1:].argmax(-1), b[len(ids) - 1:].argmax(-1)
         same += int((picks_a == picks_b).sum())
         total += len(picks_b)
     return {
         "weights": report.describe(),
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "prompts": len(prompts),
         "tokens_per_prompt": num_tokens,
         "token_agreement_before_first_divergence": mean,
@@ -116,7 +125,7 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
     }
 
 
-def _prefill_logits(model: Any, ids: list[int]) -> Any:
+def _prefill_logits(model: Any, ids: list[int], kv_dtype: Any = None) -> Any:
     import torch
 
     from ifb_plugins.text.attention import build_attn_metadata
@@ -124,7 +133,7 @@ def _prefill_logits(model: Any, ids: list[int]) -> Any:
 
     block_size = 16
     blocks = list(range(-(-len(ids) // block_size)))
-    caches = allocate_kv_cache(model.config, len(blocks), block_size)
+    caches = allocate_kv_cache(model.config, len(blocks), block_size, kv_dtype or torch.float32)
     attn = build_attn_metadata([(0, len(ids), blocks)], block_size)
     return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, caches))
 
@@ -138,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser.add_argument("--activations", choices=tuple(ACTIVATIONS), default="int16",
                         help="the native kernels' activations (int8: quantization=int8, float32: weights-only)")
+    from ifb_plugins.text.build import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="the quantized path's KV cache (auto: as a deployment of that mode holds it)")
     args = parser.parse_args(argv)
-    result = measure(args.tokens, args.backend, args.activations)
+    result = measure(args.tokens, args.backend, args.activations, args.kv_cache_dtype)
     print(json.dumps(result, indent=1))
     r = result
-    print(f"\n{r['weights']}\n"
+    print(f"\n{r['weights']}; {r['kv_cache_dtype']} KV cache\n"
           f"token agreement before the first divergence: {r['token_agreement_before_first_divergence']:.1%}\n"
           f"prompts fully identical over {args.tokens} tokens: {r['prompts_fully_identical']:.1%}\n"
           f"next-token agreement on the float32 path's text: {r['next_token_agreement']:.1%}\n"

@@ -75,6 +75,9 @@ def _setup_logging(level: str) -> None:
               show_default=True,
               help="(text) auto: a GGUF's blocks times activations quantized to ~15 bits; int8: to 8 bits "
                    "(faster, coarser); weights-only: times float32 activations; none: dequantize to fp32.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "float16"]), default="auto",
+              show_default=True,
+              help="(text) KV cache precision; auto: float16 with integer activations (auto, int8), else float32.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
@@ -83,7 +86,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, visual_token_pruner: float | None = None,
           allowed_local_media_path: Path | None = None, quantization: str = "auto",
-          static_batching: bool = False) -> None:
+          kv_cache_dtype: str = "auto", static_batching: bool = False) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     import uvicorn
@@ -110,6 +113,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         options["allowed_local_media_path"] = str(allowed_local_media_path.resolve())
     if quantization != "auto":
         options["quantization"] = quantization
+    if kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = kv_cache_dtype
     fields = dict(
         model=model, plugin=plugin, max_batch_size=max_batch_size,
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,

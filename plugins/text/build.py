@@ -20,10 +20,17 @@ log = logging.getLogger("ifb.text")
 _ACTIVATIONS = {"auto": "int16", "int8": "int8", "weights-only": "float32"}
 #: values of ``DeployConfig.options["quantization"]``: those, and ``none`` (float32 weights)
 QUANTIZATION_MODES = (*_ACTIVATIONS, "none")
+#: values of ``DeployConfig.options["kv_cache_dtype"]``
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
 
 def model_name_for(path: Path) -> str:
     return path.stem if path.is_file() else path.name
+
+
+def mode_for_activations(activations: str) -> str:
+    """The quantization mode whose native kernels take ``activations``."""
+    return next(mode for mode, a in _ACTIVATIONS.items() if a == activations)
 
 
 def quantization_mode(config: DeployConfig) -> str:
@@ -70,6 +77,19 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
     return PreparedModel("float32")
 
 
+def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> torch.dtype:
+    """The KV cache's dtype: ``kv_cache_dtype`` if set, else (``auto``) float16 where the native
+    kernels run the model with integer activations, whose attention reads float16 at half the
+    bytes per context token, and float32 everywhere else (the float32-exact modes included)."""
+    choice = config.options.get("kv_cache_dtype") or "auto"
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
+    dtype = KV_CACHE_DTYPES[choice]
+    if dtype is None:
+        dtype = torch.float16 if prepared.is_native and _ACTIVATIONS.get(mode) in ("int16", "int8") else torch.float32
+    return dtype
+
+
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
     mode = quantization_mode(config)
@@ -79,10 +99,11 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime
     adapters = dict(config.options.get("lora_adapters") or {})
     prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
     lora = LoraSet(model, adapters)
-    log.info("loaded %s (%s, %d layers, hidden %d; %s)", name, loaded.source, loaded.config.num_layers,
-             loaded.config.hidden_size, prepared.description)
+    kv_dtype = kv_cache_dtype(config, mode, prepared)
+    log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache)", name, loaded.source, loaded.config.num_layers,
+             loaded.config.hidden_size, prepared.description, str(kv_dtype).removeprefix("torch."))
     runtime = TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
-                          lora=lora)
+                          lora=lora, kv_dtype=kv_dtype)
     if prepared.is_native:
         runtime.step_torch_threads = 1
     return runtime

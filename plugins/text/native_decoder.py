@@ -10,7 +10,7 @@ still does not depend on its batch mates or on how its prompt was chunked.
 
 ``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
 fits: every layer fused on blocks, float32 norms, and (checked per step)
-float32 contiguous KV caches.
+contiguous float32 or float16 KV caches.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ifb_plugins.text.attention import AttnMetadata
-from ifb_plugins.text.qkernels import ACTIVATIONS, Kernels, check_attention_metadata
+from ifb_plugins.text.qkernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata
 from ifb_plugins.text.quant import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -45,7 +45,7 @@ class _Decoder(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("t", _long), ("rope", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr), ("width", _long),
                 ("query_start_loc", _ptr), ("seq_lens", _ptr), ("num_seqs", _long), ("block_size", _long),
-                ("k_caches", ctypes.POINTER(_ptr)), ("v_caches", ctypes.POINTER(_ptr))]
+                ("k_caches", ctypes.POINTER(_ptr)), ("v_caches", ctypes.POINTER(_ptr)), ("kv_half", _long)]
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -91,21 +91,24 @@ class NativeDecoder:
         self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                                  c.head_dim, c.rms_norm_eps, self._layers)
         self._model = model  # keeps the weights the pointers above point into alive
-        self._caches: tuple[tuple[int, ...], object, object] | None = None
+        self._caches: tuple[tuple[int, ...], object, object, int] | None = None
 
-    def _cache_arrays(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, object]:
+    def _cache_arrays(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, object, int]:
+        """The caches' pointer arrays and whether they hold float16 (checked once per set of caches)."""
         ptrs = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._caches is None or self._caches[0] != ptrs:
             c = self._model.config
             shape = (c.num_kv_heads, c.head_dim)
+            dtype = kv_caches[0][0].dtype
             for k, v in kv_caches:
                 for cache in (k, v):
-                    if cache.dtype != torch.float32 or not cache.is_contiguous() or tuple(cache.shape[2:]) != shape:
-                        raise ValueError("the native decoder needs contiguous float32 KV caches [blocks, slots, "
-                                         f"{shape[0]}, {shape[1]}]")
+                    if (cache.dtype != dtype or dtype not in KV_DTYPES or not cache.is_contiguous()
+                            or tuple(cache.shape[2:]) != shape):
+                        raise ValueError("the native decoder needs contiguous float32 or float16 KV caches "
+                                         f"[blocks, slots, {shape[0]}, {shape[1]}], all of one dtype")
             n = len(kv_caches)
-            self._caches = (ptrs, (_ptr * n)(*ptrs[0::2]), (_ptr * n)(*ptrs[1::2]))
-        return self._caches[1], self._caches[2]
+            self._caches = (ptrs, (_ptr * n)(*ptrs[0::2]), (_ptr * n)(*ptrs[1::2]), KV_DTYPES[dtype])
+        return self._caches[1], self._caches[2], self._caches[3]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -118,14 +121,14 @@ class NativeDecoder:
         else:
             keep = torch.stack((cos.reshape(t, d), sin.reshape(t, d)), dim=1).float().contiguous()
             rope = keep.data_ptr()
-        k_ptrs, v_ptrs = self._cache_arrays(kv_caches)
+        k_ptrs, v_ptrs, kv_half = self._cache_arrays(kv_caches)
         check_attention_metadata(attn, kv_caches[0][0].shape[1])
         if attn.slot_mapping.dtype != torch.int64:
             raise ValueError("the native kernels read contiguous int64 attention metadata")
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
         out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
         step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
-                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs)
+                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half)
         if self._forward(ctypes.byref(self._decoder), ctypes.byref(step), out.data_ptr()) != 0:
             raise MemoryError("the native decoder could not allocate its work buffers")
         del keep

@@ -72,6 +72,18 @@ INLINE float half_at(const uint8_t *p) {
 #endif
 }
 
+/* f as the nearest IEEE float16 (ties to even), as bits: what torch's conversion gives. */
+INLINE uint16_t half_of(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    _Float16 h = (_Float16)f;
+    uint16_t bits;
+    __builtin_memcpy(&bits, &h, sizeof bits);
+    return bits;
+#endif
+}
+
 int ifb_qk_isa(void) { return IFB_ISA; }
 
 /* ---- matmuls ----
@@ -1005,7 +1017,8 @@ static void run_columns(const matmul_t *job, long g0, long g1) {
 typedef struct {
     const float *q;                 /* [t, hq, d]: row stride q_stride, heads contiguous */
     long q_stride, t, hq, hkv, d;
-    const float *k_cache, *v_cache; /* [blocks, block_size, hkv, d] */
+    const uint8_t *k_cache, *v_cache; /* [blocks, block_size, hkv, d] of float32, or float16 (kv_half) */
+    int kv_half;
     long block_size;
     const int64_t *block_tables;    /* [seqs, width] */
     long width;
@@ -1106,6 +1119,35 @@ static void silu_rows(const float *gu, long rows, long inter, float *act) {
     }
 }
 
+/* The largest of p[0..n) (-inf for n = 0). */
+static float max_of(const float *p, long n) {
+    long j = 0;
+    float top = -INFINITY;
+#if IFB_ISA == 512
+    if (n >= 16) {
+        __m512 m = _mm512_loadu_ps(p);
+        for (j = 16; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + j));
+        top = _mm512_reduce_max_ps(m);
+    }
+#endif
+    for (; j < n; j++)
+        if (p[j] > top) top = p[j];
+    return top;
+}
+
+/* p[j] = p[j] / sum for j < n (correctly rounded, as a scalar division). */
+static void divide_by(float *p, long n, float sum) {
+    long j = 0;
+#if IFB_ISA == 512
+    __m512 v = _mm512_set1_ps(sum);
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, _mm512_div_ps(_mm512_loadu_ps(p + j), v));
+#elif IFB_ISA == 256
+    __m256 v = _mm256_set1_ps(sum);
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, _mm256_div_ps(_mm256_loadu_ps(p + j), v));
+#endif
+    for (; j < n; j++) p[j] = p[j] / sum;
+}
+
 /* p[j] = e^(p[j] - top) for j < n; returns their sum (in a fixed order). */
 static float exp_shifted(float *p, long n, float top) {
     long j = 0;
@@ -1133,21 +1175,69 @@ static float exp_shifted(float *p, long n, float top) {
     return sum;
 }
 
+/* Cached K/V values are float32, or float16 (`half`, a constant at each call site) read as float32
+ * (exact): a float16 cache halves the bytes a decode step streams for its context.
+ * Row p of d cached values as float32: p itself, or (float16) converted into tmp. */
+INLINE const float *kv_row(const uint8_t *p, long d, int half, float *tmp) {
+    if (!half) return (const float *)p;
+    long i = 0;
 #if IFB_ISA == 512
-/* o = sum_j (p[j] / sum) v_j over positions j < ctx, v_j read through the block table; `nv`
- * (d / 16) is a constant at each call site. The same arithmetic, in the same order, as axpy. */
-INLINE void weighted_rows(float *o, const float *p, float sum, long ctx, const int64_t *table, const float *v0,
-                          long bs, long row, int nv) {
-    __m512 acc[8];
-    for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(tmp + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))));
+#elif IFB_ISA == 256
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+#endif
+    for (; i < d; i++) tmp[i] = half_at(p + 2 * i);
+    return tmp;
+}
+
+#if IFB_ISA == 512
+INLINE __m512 kv_load(const uint8_t *p, long i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* o_h = sum_j p_h[j] v_j over positions j < ctx for H heads at once (H and nv = d / 16 constants
+ * at each call site), v_j read through the block table once for all of them; each head's sums
+ * take the same operations in the same order as axpy's. */
+INLINE void weighted_rows(float *o, const float *p, long p_stride, long ctx, const int64_t *table,
+                          const uint8_t *v0, long bs, long row_bytes, int H, int nv, int half) {
+    __m512 acc[16];
+    for (int i = 0; i < H * nv; i++) acc[i] = _mm512_setzero_ps();
     for (long j0 = 0; j0 < ctx; j0 += bs) {
-        const float *v = v0 + table[j0 / bs] * bs * row;
-        for (long j = j0; j < ctx && j < j0 + bs; j++, v += row) {
-            __m512 w = _mm512_set1_ps(p[j] / sum);
-            for (int c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes;
+        if (j0 + bs < ctx) { /* the next block's values */
+            const uint8_t *next = v0 + table[j0 / bs + 1] * bs * row_bytes;
+            for (long j = 0; j < bs && j0 + bs + j < ctx; j++)
+                for (long b = 0; b < 16 * nv * (half ? 2 : 4); b += 64) __builtin_prefetch(next + j * row_bytes + b, 0, 3);
         }
+        for (long j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
+            for (int c = 0; c < nv; c++) {
+                __m512 x = kv_load(v, 16 * c, half);
+                for (int h = 0; h < H; h++)
+                    acc[h * nv + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * p_stride + j]), x, acc[h * nv + c]);
+            }
     }
-    for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + h * 16 * nv + 16 * c, acc[h * nv + c]);
+}
+
+/* weighted_rows for `heads` heads of d = 16 * nv, in runs of as many as keep 16 sums in registers. */
+INLINE void weighted_heads(float *o, const float *p, long p_stride, long heads, long ctx, const int64_t *table,
+                           const uint8_t *v0, long bs, long row_bytes, int nv, int half) {
+    long most = 16 / nv;
+    for (long h = 0; h < heads;) {
+        long n = heads - h < most ? heads - h : most;
+        float *oh = o + h * 16 * nv;
+        const float *ph = p + h * p_stride;
+        if (n >= 4)
+            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 4, nv, half);
+        else if (n == 3)
+            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 3, nv, half);
+        else if (n == 2)
+            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 2, nv, half);
+        else
+            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 1, nv, half);
+        h += n >= 4 ? 4 : n;
+    }
 }
 #endif
 
@@ -1162,16 +1252,16 @@ static const int KEY_OF_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7
 
 INLINE int scores_fit(long d) { return d % 16 == 0; }
 
-INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
     __m512 v[16];
     for (int s = 0; s < 16; s++) {
-        const float *k = keys[KEY_OF_SLOT[s]];
+        const uint8_t *k = keys[KEY_OF_SLOT[s]];
         if (k == NULL) {
             v[s] = _mm512_setzero_ps();
             continue;
         }
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-        for (long i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), kv_load(k, 0, half));
+        for (long i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv_load(k, i, half), acc);
         v[s] = acc;
     }
     __m512 t[8], u[4], w[2];
@@ -1194,16 +1284,20 @@ static const int KEY_OF_SLOT[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 INLINE int scores_fit(long d) { return d % 8 == 0; }
 
-INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+INLINE __m256 kv_load(const uint8_t *p, long i, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))) : _mm256_loadu_ps((const float *)p + i);
+}
+
+INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
     __m256 v[8];
     for (int s = 0; s < 8; s++) {
-        const float *k = keys[KEY_OF_SLOT[s]];
+        const uint8_t *k = keys[KEY_OF_SLOT[s]];
         if (k == NULL) {
             v[s] = _mm256_setzero_ps();
             continue;
         }
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-        for (long i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), kv_load(k, 0, half));
+        for (long i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(k, i, half), acc);
         v[s] = acc;
     }
     __m256 t[4], u[2];
@@ -1220,70 +1314,91 @@ INLINE void score_run(const float *q, const float *const *keys, long d, float sc
 #else
 #define SCORE_LANES 1
 INLINE int scores_fit(long d) { (void)d; return 0; }
-INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
-    (void)q; (void)keys; (void)d; (void)scale; (void)out;
+INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
+    (void)q; (void)keys; (void)d; (void)scale; (void)out; (void)half;
 }
 #endif
 
-static void attention_items(const attention_t *a, long i0, long i1) {
-    long group = a->hq / a->hkv, d = a->d, bs = a->block_size, row = a->hkv * d;
-    /* room for a whole last run of scores, and of key addresses */
-    float *p = (float *)malloc(sizeof(float) * (size_t)(a->max_ctx + SCORE_LANES));
-    const float **keys = (const float **)malloc(sizeof(float *) * (size_t)(a->max_ctx + SCORE_LANES));
+/* Ask for the cache lines of up to SCORE_LANES rows of `bytes` (the caches' pages are scattered
+ * by the block tables, where the hardware prefetchers lose the stream). */
+INLINE void prefetch_rows(const uint8_t *const *rows, long n, long bytes) {
+    for (long s = 0; s < n && s < SCORE_LANES; s++)
+        for (long b = 0; b < bytes; b += 64) __builtin_prefetch(rows[s] + b, 0, 3);
+}
+
+/* Items [i0, i1): (token, kv head) pairs. The kv head's keys are scored for all the group's query
+ * heads run by run (a run's keys are read once, then from L1), and its values summed for them in
+ * one pass; each head's arithmetic is what it would be alone. */
+INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half) {
+    long group = a->hq / a->hkv, d = a->d, bs = a->block_size, es = half ? 2 : 4, row_bytes = a->hkv * d * es;
+    long stride = a->max_ctx + SCORE_LANES; /* room for a whole last run of scores, and of key addresses */
+    float *p = (float *)malloc(sizeof(float) * (size_t)(stride * group + SCORE_LANES * d));
+    const uint8_t **keys = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)stride);
     if (p == NULL || keys == NULL) {
         free(p);
         free(keys);
         return;
     }
+    float *tmp = p + stride * group;
     for (long i = i0; i < i1; i++) {
         long t = i / a->hkv, g = i % a->hkv, b = a->token_seq[t];
         long ctx = a->seq_lens[b] - (a->query_start_loc[b + 1] - t) + 1;
         const int64_t *table = a->block_tables + b * a->width;
-        if (scores_fit(d)) { /* the keys of kv head g, once for the group's query heads */
-            long j = 0;
-            for (long j0 = 0; j0 < ctx; j0 += bs) {
-                const float *k = a->k_cache + table[j0 / bs] * bs * row + g * d;
-                for (; j < ctx && j < j0 + bs; j++, k += row) keys[j] = k;
-            }
-            for (; j < ctx + SCORE_LANES; j++) keys[j] = NULL;
+        long j = 0; /* position j is slot j % bs of block table[j / bs] */
+        for (long j0 = 0; j0 < ctx; j0 += bs) {
+            const uint8_t *k = a->k_cache + table[j0 / bs] * bs * row_bytes + g * d * es;
+            for (; j < ctx && j < j0 + bs; j++, k += row_bytes) keys[j] = k;
         }
-        for (long h = g * group; h < (g + 1) * group; h++) {
-            const float *qh = a->q + t * a->q_stride + h * d;
-            float top = -INFINITY, sum = 0.0f;
-            /* position j is slot j % bs of block table[j / bs] */
-            if (scores_fit(d)) {
-                for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) score_run(qh, keys + j0, d, a->scale, p + j0);
-                for (long j = 0; j < ctx; j++)
-                    if (p[j] > top) top = p[j];
-            } else {
-                for (long j0 = 0; j0 < ctx; j0 += bs) {
-                    const float *k = a->k_cache + table[j0 / bs] * bs * row + g * d;
-                    for (long j = j0; j < ctx && j < j0 + bs; j++, k += row) {
-                        p[j] = dot(qh, k, d) * a->scale;
-                        if (p[j] > top) top = p[j];
-                    }
+        for (; j < ctx + SCORE_LANES; j++) keys[j] = NULL;
+        const float *q0 = a->q + t * a->q_stride + g * group * d;
+        if (scores_fit(d))
+            for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) {
+                const uint8_t *const *run = keys + j0, *floats[SCORE_LANES];
+                prefetch_rows(keys + j0 + 2 * SCORE_LANES, ctx - j0 - 2 * SCORE_LANES, d * es);
+                if (half) { /* the run's keys in float32, converted once for the group's heads */
+                    for (int s = 0; s < SCORE_LANES; s++)
+                        floats[s] = run[s] ? (const uint8_t *)kv_row(run[s], d, 1, tmp + s * d) : NULL;
+                    run = floats;
                 }
+                for (long h = 0; h < group; h++) score_run(q0 + h * d, run, d, a->scale, p + h * stride + j0, 0);
             }
-            sum = exp_shifted(p, ctx, top);
-            float *o = a->out + (t * a->hq + h) * d;
+        else
+            for (long h = 0; h < group; h++)
+                for (j = 0; j < ctx; j++) p[h * stride + j] = dot(q0 + h * d, kv_row(keys[j], d, half, tmp), d) * a->scale;
+        for (long h = 0; h < group; h++) { /* the softmax weights */
+            float *ph = p + h * stride;
+            divide_by(ph, ctx, exp_shifted(ph, ctx, max_of(ph, ctx)));
+        }
+        float *o = a->out + (t * a->hq + g * group) * d;
+        const uint8_t *v0 = a->v_cache + g * d * es;
 #if IFB_ISA == 512
-            if (d == 64 || d == 128) { /* the usual head sizes: the sums stay in registers */
-                if (d == 64)
-                    weighted_rows(o, p, sum, ctx, table, a->v_cache + g * d, bs, row, 4);
-                else
-                    weighted_rows(o, p, sum, ctx, table, a->v_cache + g * d, bs, row, 8);
-                continue;
-            }
+        if (d == 64 || d == 128) { /* the usual head sizes: the sums stay in registers */
+            if (d == 64)
+                weighted_heads(o, p, stride, group, ctx, table, v0, bs, row_bytes, 4, half);
+            else
+                weighted_heads(o, p, stride, group, ctx, table, v0, bs, row_bytes, 8, half);
+            continue;
+        }
 #endif
-            for (long c = 0; c < d; c++) o[c] = 0.0f;
+        for (long h = 0; h < group; h++) {
+            float *oh = o + h * d;
+            for (long c = 0; c < d; c++) oh[c] = 0.0f;
             for (long j0 = 0; j0 < ctx; j0 += bs) {
-                const float *v = a->v_cache + table[j0 / bs] * bs * row + g * d;
-                for (long j = j0; j < ctx && j < j0 + bs; j++, v += row) axpy(o, p[j] / sum, v, d);
+                const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes;
+                for (j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
+                    axpy(oh, p[h * stride + j], kv_row(v, d, half, tmp), d);
             }
         }
     }
     free(p);
     free(keys);
+}
+
+static void attention_items(const attention_t *a, long i0, long i1) {
+    if (a->kv_half)
+        attention_items_of(a, i0, i1, 1);
+    else
+        attention_items_of(a, i0, i1, 0);
 }
 
 static void run_items(const job_t *job, long i0, long i1) {
@@ -1487,7 +1602,7 @@ static long plan_attention(const int64_t *query_start_loc, const int64_t *seq_le
 /* out [t, hq, d] = causal attention of q (row stride q_stride) over the paged K/V cache, the step's
  * own K/V already written; scale multiplies q . k. Query heads h use K/V head h / (hq / hkv). */
 void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hkv, long d,
-                         const float *k_cache, const float *v_cache, long block_size,
+                         const void *k_cache, const void *v_cache, int kv_half, long block_size,
                          const int64_t *block_tables, long width, const int64_t *query_start_loc,
                          const int64_t *seq_lens, long num_seqs, float scale, float *out) {
     long *token_seq = (long *)malloc(sizeof(long) * (size_t)(t > 0 ? t : 1));
@@ -1495,7 +1610,7 @@ void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hk
     long work;
     long max_ctx = plan_attention(query_start_loc, seq_lens, num_seqs, hq, d, token_seq, &work);
     job_t job = {.kind = 1, .count = t * hkv};
-    job.at = (attention_t){q, q_stride, t, hq, hkv, d, k_cache, v_cache, block_size, block_tables, width,
+    job.at = (attention_t){q, q_stride, t, hq, hkv, d, k_cache, v_cache, kv_half, block_size, block_tables, width,
                            query_start_loc, seq_lens, token_seq, max_ctx, scale, out};
     run_job(&job, work);
     free(token_seq);
@@ -1536,7 +1651,8 @@ typedef struct {
     const int64_t *query_start_loc;    /* [seqs + 1] */
     const int64_t *seq_lens;           /* [seqs] */
     long num_seqs, block_size;
-    float *const *k_caches, *const *v_caches; /* [num_layers] of [blocks, block_size, hkv, d] */
+    void *const *k_caches, *const *v_caches; /* [num_layers] of [blocks, block_size, hkv, d] */
+    long kv_half;                      /* the caches hold float16 (else float32) */
 } step_t;
 
 static int matmul_rows(const weight_t *w, const float *x, long m, float *y) {
@@ -1558,6 +1674,17 @@ static void rope_in_place(float *x, long d, const float *cos, const float *sin, 
     long half = d / 2;
     for (long i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
     for (long i = 0; i < d; i++) x[i] = tmp[i];
+}
+
+/* cache[at + i] = x[i] for i < n, in float32 or (half) as float16 rounded to nearest even, as
+ * torch's conversion rounds. */
+static void store_kv(void *cache, long at, const float *x, long n, int half) {
+    if (!half) {
+        for (long i = 0; i < n; i++) ((float *)cache)[at + i] = x[i];
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + at;
+    for (long i = 0; i < n; i++) out[i] = half_of(x[i]);
 }
 
 /* Run every layer over the step's tokens; x [t, hidden] is updated in place. 0, or what failed:
@@ -1591,13 +1718,11 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
             const float *cos = s->rope + r * 2 * d, *sin = cos + d;
             for (long head = 0; head < hq + hkv; head++) rope_in_place(q + head * d, d, cos, sin, tmp);
             long slot = (long)s->slot_mapping[r];
-            for (long c = 0; c < hkv * d; c++) {
-                s->k_caches[l][slot * hkv * d + c] = k[c];
-                s->v_caches[l][slot * hkv * d + c] = v[c];
-            }
+            store_kv(s->k_caches[l], slot * hkv * d, k, hkv * d, (int)s->kv_half);
+            store_kv(s->v_caches[l], slot * hkv * d, v, hkv * d, (int)s->kv_half);
         }
         job_t job = {.kind = 1, .count = t * hkv};
-        job.at = (attention_t){qkv, row, t, hq, hkv, d, s->k_caches[l], s->v_caches[l], s->block_size,
+        job.at = (attention_t){qkv, row, t, hq, hkv, d, s->k_caches[l], s->v_caches[l], (int)s->kv_half, s->block_size,
                                s->block_tables, s->width, s->query_start_loc, s->seq_lens, token_seq, max_ctx,
                                1.0f / sqrtf((float)d), att};
         run_job(&job, work);

@@ -64,6 +64,8 @@ Activations = Literal["int16", "int8", "float32"]
 #: ``int16``: codes of about 15 bits per block of 32 (max|x| / 32258 steps), near float32 results;
 #: ``int8``: llama.cpp's 8-bit codes (max|x| / 127 steps), the fastest; ``float32``: as they are
 ACTIVATIONS: dict[str, int] = {"int16": 2, "int8": 1, "float32": 0}
+#: KV cache dtypes the native attention reads, and the C code's flag for each (1: float16)
+KV_DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1}
 
 
 def cache_dir() -> Path:
@@ -114,8 +116,8 @@ class Kernels:
         self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
         self._interleave.restype = None
         self._attention = lib.ifb_paged_attention
-        self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, long, ptr, long, ptr, ptr, long,
-                                    ctypes.c_float, ptr]
+        self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, ctypes.c_int, long, ptr, long, ptr,
+                                    ptr, long, ctypes.c_float, ptr]
         self._attention.restype = None
         self._set_threads = lib.ifb_qk_set_threads
         self._set_threads.argtypes = [ctypes.c_int]
@@ -167,7 +169,7 @@ class Kernels:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         attn: AttnMetadata) -> torch.Tensor:
-        """``attention.paged_attention`` for float32 caches: causal attention of ``q [T, Hq, D]``
+        """``attention.paged_attention`` for float32 or float16 caches: causal attention of ``q [T, Hq, D]``
         over the paged K/V (the step's own K/V already written); returns ``[T, Hq, D]``.
 
         Every query row is computed on its own, so a token's result does not depend on the
@@ -176,13 +178,14 @@ class Kernels:
         t, hq, d = q.shape
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
             q = q.float().contiguous()
-        if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the native attention reads contiguous float32 KV caches")
+        if (k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            raise ValueError("the native attention reads contiguous float32 or float16 KV caches")
         check_attention_metadata(attn, k_cache.shape[1])
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
         out = torch.empty(t, hq, d, dtype=torch.float32)
         self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
-                        v_cache.data_ptr(), attn.block_size, tables.data_ptr(), tables.shape[1],
+                        v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(), tables.shape[1],
                         starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
         return out
 

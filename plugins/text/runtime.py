@@ -43,7 +43,8 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int) -> int:
 
 class TextRuntime:
     def __init__(self, *, model: TextModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
-                 config: DeployConfig, model_name: str, lora: LoraSet | None = None):
+                 config: DeployConfig, model_name: str, lora: LoraSet | None = None,
+                 kv_dtype: torch.dtype = torch.float32):
         self.model = model
         self.tokenizer = tokenizer
         self.caps = caps
@@ -60,7 +61,7 @@ class TextRuntime:
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.device = next(model.parameters()).device
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
-                                           dtype=torch.float32, device=self.device)
+                                           dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
         # The blocking path's own block bookkeeping persists so captured prefixes survive requests.
         self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)

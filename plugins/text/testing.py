@@ -262,20 +262,22 @@ def save_tiny_gguf(
 
 @torch.no_grad()
 def greedy_generate_batch(
-    model: TextModel, prompts: Sequence[Sequence[int]], n: int, block_size: int = 16
+    model: TextModel, prompts: Sequence[Sequence[int]], n: int, block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
     """Greedy-decode ``n`` tokens for every prompt in one ragged batch over the paged cache.
 
     Step 1 prefills all prompts together; every later step decodes one token per
     sequence. Block ids are interleaved across sequences so a sequence's blocks
-    are never contiguous in the cache (as in a real serving run).
+    are never contiguous in the cache (as in a real serving run). The KV cache holds
+    ``kv_dtype`` (default: the model's dtype).
     """
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
     per_seq = [math.ceil((len(p) + n) / block_size) for p in prompts]
     width = max(per_seq)
     tables = [[j * len(prompts) + b for j in range(per_seq[b])] for b in range(len(prompts))]
-    caches = allocate_kv_cache(model.config, width * len(prompts), block_size, dtype, device)
+    caches = allocate_kv_cache(model.config, width * len(prompts), block_size, kv_dtype or dtype, device)
     starts = [0] * len(prompts)
     step_ids = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
@@ -295,6 +297,7 @@ def greedy_generate_batch(
     return out
 
 
-def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16) -> list[int]:
+def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16,
+                    kv_dtype: torch.dtype | None = None) -> list[int]:
     """Greedy-decode ``n`` tokens after ``ids`` alone (a batch of one)."""
-    return greedy_generate_batch(model, [ids], n, block_size)[0]
+    return greedy_generate_batch(model, [ids], n, block_size, kv_dtype)[0]

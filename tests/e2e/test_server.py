@@ -167,7 +167,7 @@ def test_logprobs(ifb):
 def _stream_timed(client: openai.OpenAI, model: str, index: int, start_at: float) -> tuple[float, float]:
     time.sleep(max(0.0, start_at - time.monotonic()))
     first = None
-    stream = client.completions.create(model=model, prompt=f"Count from {index} upwards:", max_tokens=64,
+    stream = client.completions.create(model=model, prompt=f"Count from {index} upwards:", max_tokens=128,
                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].text:
@@ -180,7 +180,8 @@ def test_eight_clients_late_arrivals_join_mid_flight(ifb):
     before = ifb.health()["scheduling"]["admitted_mid_flight"]
     start = time.monotonic() + 0.2
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_stream_timed, client, model, i, start + 0.3 * i) for i in range(8)]
+        # arrivals well inside one answer's time (128 tokens at a few ms each, even alone)
+        futures = [pool.submit(_stream_timed, client, model, i, start + 0.1 * i) for i in range(8)]
         times = [f.result() for f in futures]
     assert all(first is not None for first, _ in times)
     # someone who arrived later saw its first token while an earlier request was still generating

@@ -19,9 +19,10 @@ from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
 from ifb_plugins.text import qkernels, quant, quant_torch
 from ifb_plugins.text.attention import build_attn_metadata, paged_attention
-from ifb_plugins.text.build import prepare_model, quantization_mode
+from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, prepare_model, quantization_mode
 from ifb_plugins.text.gguf_loader import GGUFTensor, read_gguf_tensors
 from ifb_plugins.text.loader import build_model, load_checkpoint
+from ifb_plugins.text.model import allocate_kv_cache
 from ifb_plugins.text.native_decoder import NativeDecoder, use_native_decoder
 from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.helpers import submit_staggered
@@ -149,12 +150,15 @@ def test_integer_matmul_gives_the_same_bits_on_every_instruction_set(qtype: Q, a
 
 @needs_kernels
 @pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
-def test_native_attention_matches_the_torch_path_and_ignores_chunking(build: int) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-float32", "kv-float16"])
+@pytest.mark.parametrize("dim", [32, 64])  # 64: the value sums kept in registers for a group of heads
+def test_native_attention_matches_the_torch_path_and_ignores_chunking(build: int, kv_dtype: torch.dtype,
+                                                                      dim: int) -> None:
     kernels = KERNEL_BUILDS[build]
     assert kernels is not None
     g = torch.Generator().manual_seed(6)
-    heads, kv_heads, dim, block = 6, 2, 32, 4
-    k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=g) for _ in range(2))
+    heads, kv_heads, block = 6, 2, 4
+    k_cache, v_cache = (torch.randn(40, block, kv_heads, dim, generator=g).to(kv_dtype) for _ in range(2))
     # a decode, a later prefill chunk (its context spans several runs of scores), a whole prompt
     # and a first token, with scattered block tables
     long_table = [10, 11, 35, 12, 13, 14, 15, 16, 17, 18]
@@ -242,6 +246,7 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         assert runtime.step_torch_threads == 1
         assert runtime.model.model.layers[0].self_attn.attention_impl.__func__ is qkernels.Kernels.paged_attention
         assert isinstance(runtime.model.decoder_impl, NativeDecoder)
+        assert runtime.kv_caches[0][0].dtype == torch.float16
         alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
                  for p in PROMPTS]
         # staggered arrivals and a 16-token budget: chunked prefills share steps with decodes
@@ -254,12 +259,14 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
     try:
         down = exact.deployment.runtime.model.model.layers[0].mlp.down_proj
         assert isinstance(down, quant.BlockLinear) and down.activations == "float32"
+        assert exact.deployment.runtime.kv_caches[0][0].dtype == torch.float32
     finally:
         exact.close()
     fp32 = LLM(str(tiny_gguf), quantization="none")
     try:
         assert isinstance(fp32.deployment.runtime.model.model.layers[0].mlp.down_proj, nn.Linear)
         assert fp32.deployment.runtime.step_torch_threads is None
+        assert fp32.deployment.runtime.kv_caches[0][0].dtype == torch.float32
     finally:
         fp32.close()
 
@@ -297,6 +304,40 @@ def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: 
         assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
 
 
+def _prefill_caches(model: nn.Module, ids: list[int], kv_dtype: torch.dtype,
+                    block_size: int = 4) -> tuple[torch.Tensor, list]:
+    blocks = [3, 0, 5, 1, 4, 2][:-(-len(ids) // block_size)]  # scattered
+    caches = allocate_kv_cache(model.config, 6, block_size, kv_dtype)
+    attn = build_attn_metadata([(0, len(ids), blocks)], block_size)
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, caches))
+    return logits, caches
+
+
+@needs_kernels
+def test_native_decoder_on_a_float16_cache(tmp_path: Path) -> None:
+    loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, "llama", seed=11))
+    model = build_model(loaded)
+    quant.quantize_model(model, blocks_of(model), "native", activations="int16")
+    quant.use_native_attention(model, KERNELS)
+    assert use_native_decoder(model, KERNELS)
+    ids = PROMPTS[3][:21]
+    exact, caches32 = _prefill_caches(model, ids, torch.float32)
+    got, caches16 = _prefill_caches(model, ids, torch.float16)
+    # the first layer's K/V do not depend on attention: the float16 cache holds exactly torch's
+    # rounding of the float32 values
+    for half, full in zip(caches16[0], caches32[0]):
+        assert half.dtype == torch.float16 and torch.equal(half, full.to(torch.float16))
+    assert (got - exact).abs().max().item() < 1e-2 * exact.abs().max().item()
+    batched = greedy_generate_batch(model, PROMPTS, 10, block_size=4, kv_dtype=torch.float16)
+    assert batched == [greedy_generate(model, p, 10, block_size=4, kv_dtype=torch.float16) for p in PROMPTS]
+    # the per-module path (torch's conversion on write, the native attention) reads the same values
+    modules = build_model(loaded)
+    quant.quantize_model(modules, blocks_of(modules), "native", activations="int16")
+    quant.use_native_attention(modules, KERNELS)
+    assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4, kv_dtype=torch.float16)
+
+
 def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: Path) -> None:
     assert quantization_mode(DeployConfig()) == "auto"
     assert quantization_mode(DeployConfig(options={"quantization": "none"})) == "none"
@@ -311,6 +352,19 @@ def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: P
     hf_dir = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=2)
     hf = load_checkpoint(hf_dir)
     assert prepare_model(build_model(hf), hf, "auto", has_lora=False).description == "float32"
+
+
+def test_kv_cache_dtype_option() -> None:
+    native, torch_path = PreparedModel("blocks", is_native=True), PreparedModel("float32")
+    auto = DeployConfig()
+    # float16 only where the activations are rounded to integer codes anyway
+    assert kv_cache_dtype(auto, "auto", native) == kv_cache_dtype(auto, "int8", native) == torch.float16
+    assert kv_cache_dtype(auto, "weights-only", native) == torch.float32
+    assert kv_cache_dtype(auto, "none", torch_path) == kv_cache_dtype(auto, "auto", torch_path) == torch.float32
+    assert kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "float32"}), "auto", native) == torch.float32
+    assert kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "float16"}), "none", torch_path) == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
+        kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "int4"}), "auto", native)
 
 
 def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
