@@ -898,71 +898,98 @@ static void amx_configure(void) {
     amx_configured = 1;
 }
 
-/* Block b's tile products for group g, B in tile BT and C in C1T (C2T: second pass), stored to c1, c2. */
-#define AMX_PRODUCTS(BT, C1T, C2T)                                                        \
-    do {                                                                                  \
-        const uint8_t *q_ = group_codes(job, g, b, kind);                                 \
-        if (kind == Q8_0) {                                                               \
-            _tile_loadd(BT, q_, CHUNK);                                                   \
-        } else { /* weights 4t..4t+3 are B's row t, weights 16 + 4t.. its row 4 + t */   \
-            for (int t = 0; t < 4; t++) {                                                 \
-                wvec v_ = load_chunk(q_ + t * CHUNK);                                     \
-                _mm512_store_si512((void *)(bt + t * CHUNK), low_nibbles(v_));            \
-                _mm512_store_si512((void *)(bt + (t + 4) * CHUNK), high_nibbles(v_));     \
-            }                                                                             \
-            _tile_loadd(BT, bt, CHUNK);                                                   \
-        }                                                                                 \
-        const int8_t *xb_ = job->xq + r0 * k + b * QK;                                    \
-        _tile_loadd(0, xb_, k);                                                           \
-        _tile_zero(C1T);                                                                  \
-        _tile_dpbsud(C1T, 0, BT);                                                         \
-        _tile_stored(C1T, c1, 4 * GROUP);                                                 \
-        if (P == 2) {                                                                     \
-            _tile_loadd(1, xb_ + job->m * k, k);                                          \
-            _tile_zero(C2T);                                                              \
-            _tile_dpbsud(C2T, 1, BT);                                                     \
-            _tile_stored(C2T, c2, 4 * GROUP);                                             \
-        }                                                                                 \
+/* 4-bit codes: the group block's 4 chunks as B's 8 rows in bt (weights 4t..4t+3 are row t,
+ * weights 16 + 4t.. row 4 + t); Q8_0 codes are B as stored. */
+INLINE void amx_unpack(const matmul_t *job, long g, long b, int kind, uint8_t *bt) {
+    if (kind == Q8_0) return;
+    const uint8_t *q = group_codes(job, g, b, kind);
+    for (int t = 0; t < 4; t++) {
+        wvec v = load_chunk(q + t * CHUNK);
+        _mm512_store_si512((void *)(bt + t * CHUNK), low_nibbles(v));
+        _mm512_store_si512((void *)(bt + (t + 4) * CHUNK), high_nibbles(v));
+    }
+}
+
+/* Block b's tile products for group g into tiles C1T (and C2T: the second pass), B in tile BT. */
+#define AMX_ISSUE(BT, C1T, C2T, bt, g, b)                                                   \
+    do {                                                                                    \
+        if (kind == Q8_0)                                                                   \
+            _tile_loadd(BT, group_codes(job, g, b, kind), CHUNK);                           \
+        else                                                                                \
+            _tile_loadd(BT, (bt), CHUNK);                                                   \
+        const int8_t *xb_ = job->xq + r0 * k + (b) * QK;                                    \
+        _tile_loadd(0, xb_, k);                                                             \
+        _tile_zero(C1T);                                                                    \
+        _tile_dpbsud(C1T, 0, BT);                                                           \
+        if (P == 2) {                                                                       \
+            _tile_loadd(1, xb_ + job->m * k, k);                                            \
+            _tile_zero(C2T);                                                                \
+            _tile_dpbsud(C2T, 1, BT);                                                       \
+        }                                                                                   \
     } while (0)
 
-/* Rows [r0, r0 + 16) by group g. Block b + 1's tile products (tiles 2-4 and 5-7 in turn) are
- * issued before block b's float32 steps, so the two overlap. */
-INLINE void tile_amx(const matmul_t *job, long r0, long g, int kind, int P) {
+#define AMX_STORE(C1T, C2T, cs)                                                             \
+    do {                                                                                    \
+        _tile_stored(C1T, (cs)[0], 4 * GROUP);                                              \
+        if (P == 2) _tile_stored(C2T, (cs)[1], 4 * GROUP);                                  \
+    } while (0)
+
+/* Rows [r0, r0 + 16) by groups [g0, g1), their (group, block) steps i = (g - g0) * nb + b in one
+ * software pipeline, so that no step waits on the one before: at step i, step i + 1's products
+ * are issued (tiles 2-4 or 5-7 in turn), step i + 2's codes unpacked, step i's products stored
+ * (issued a step earlier) and step i - 1's sums (stored a step earlier) taken through the float32
+ * steps of its group. */
+INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, int P) {
     if (!amx_configured) amx_configure();
-    long k = job->k, nb = k / QK;
+    long k = job->k, nb = k / QK, steps = (g1 - g0) * nb;
     __m512 acc[AMX_ROWS];
     _Alignas(64) uint8_t bts[2][QK / 4 * CHUNK];
-    _Alignas(64) int32_t cs[2][2][AMX_ROWS][GROUP]; /* [set][pass] */
+    _Alignas(64) int32_t cs[2][2][AMX_ROWS][GROUP]; /* [step & 1][pass] */
 #pragma GCC unroll 16
     for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    {
-        long b = 0;
-        uint8_t *bt = bts[0];
-        int32_t(*c1)[GROUP] = cs[0][0], (*c2)[GROUP] = cs[0][1];
-        AMX_PRODUCTS(2, 3, 4);
-    }
-    for (long b0 = 0; b0 < nb; b0++) {
-        long b = b0 + 1;
-        if (b < nb) {
-            uint8_t *bt = bts[b & 1];
-            int32_t(*c1)[GROUP] = cs[b & 1][0], (*c2)[GROUP] = cs[b & 1][1];
-            if (b & 1)
-                AMX_PRODUCTS(5, 6, 7);
+    /* (group, block) of the steps issued next, unpacked next and summed next */
+    long gi = g0, bi = 0, gu = g0, bu = 0, ge = g0, be = 0;
+#define NEXT(g, b) (++(b) == nb ? ((b) = 0, ++(g)) : 0)
+    for (int u = 0; u < 2 && u < steps; u++, NEXT(gu, bu)) amx_unpack(job, gu, bu, kind, bts[u]);
+    AMX_ISSUE(2, 3, 4, bts[0], gi, bi);
+    NEXT(gi, bi);
+    for (long i = 0; i <= steps; i++) {
+        if (i + 1 < steps) {
+            if ((i + 1) & 1)
+                AMX_ISSUE(5, 6, 7, bts[1], gi, bi);
             else
-                AMX_PRODUCTS(2, 3, 4);
+                AMX_ISSUE(2, 3, 4, bts[0], gi, bi);
+            NEXT(gi, bi);
         }
-        vec d, m;
-        group_block(job, g, b0, kind, &d, &m);
-        int32_t(*c1)[GROUP] = cs[b0 & 1][0], (*c2)[GROUP] = cs[b0 & 1][1];
+        if (i + 2 < steps) {
+            amx_unpack(job, gu, bu, kind, bts[i & 1]);
+            NEXT(gu, bu);
+        }
+        if (i < steps) {
+            if (i & 1)
+                AMX_STORE(6, 7, cs[1]);
+            else
+                AMX_STORE(3, 4, cs[0]);
+        }
+        if (i == 0) continue;
+        vec d, m; /* step i - 1, whose sums were stored a step ago */
+        group_block(job, ge, be, kind, &d, &m);
+        int32_t(*c1)[GROUP] = cs[(i - 1) & 1][0], (*c2)[GROUP] = cs[(i - 1) & 1][1];
 #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; r++) { /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them */
             ivec s = _mm512_load_si512((const void *)c1[r]);
             if (P == 2) s = iadd(itimes254(s), _mm512_load_si512((const void *)c2[r]));
-            acc[r] = block_step(job, r0 + r, b0, kind, s, d, m, acc[r]);
+            acc[r] = block_step(job, r0 + r, be, kind, s, d, m, acc[r]);
         }
-    }
+        if (be == nb - 1) /* the group's last block */
 #pragma GCC unroll 16
-    for (int r = 0; r < AMX_ROWS; r++) store_output(job, r0 + r, g, acc[r]);
+            for (int r = 0; r < AMX_ROWS; r++) {
+                store_output(job, r0 + r, ge, acc[r]);
+                acc[r] = _mm512_setzero_ps();
+            }
+        NEXT(ge, be);
+    }
+#undef NEXT
 }
 
 #if Q8_OFFSET != 1
@@ -980,8 +1007,7 @@ INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
 #if HAS_AMX
     if (job->use_amx) { /* whole tiles of 16 rows; the rest below */
         start = job->m / AMX_ROWS * AMX_ROWS;
-        for (long r0 = 0; r0 < start; r0 += AMX_ROWS)
-            for (long g = g0; g < g1; g++) tile_amx(job, r0, g, kind, P);
+        for (long r0 = 0; r0 < start; r0 += AMX_ROWS) tile_amx(job, r0, g0, g1, kind, P);
     }
 #endif
     long height = XQ_BLOCK_BYTES / job->k;
