@@ -753,6 +753,8 @@ INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec
     return kind == Q4_1 ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
 }
 
+#define Q8_AHEAD 4 /* blocks between a block's prefetch and its products */
+
 INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
     long k = job->k, nb = k / QK;
     vec acc[MAX_RQ][4];
@@ -767,6 +769,9 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) {
             q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
+            if (b + Q8_AHEAD < nb) /* the group's blocks are contiguous: ask for one further on */
+                for (long o = 0; o < group_bytes(kind); o += 64)
+                    __builtin_prefetch(group_start(job, g0 + c, b + Q8_AHEAD, kind) + o, 0, 3);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) s[r][c] = izero();
         }
@@ -860,6 +865,7 @@ INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int ki
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAS_AMX 1
+#define AMX_AHEAD 8 /* steps between a block's prefetch and its products */
 #define AMX_ROWS 16
 
 typedef struct {
@@ -964,6 +970,10 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, i
         if (i + 2 < steps) {
             amx_unpack(job, gu, bu, kind, bts[i & 1]);
             NEXT(gu, bu);
+        }
+        if (i + AMX_AHEAD < steps) { /* a chunk's steps are contiguous blocks: ask for one further on */
+            const uint8_t *ahead = group_start(job, g0, 0, kind) + (i + AMX_AHEAD) * group_bytes(kind);
+            for (long o = 0; o < group_bytes(kind); o += 64) __builtin_prefetch(ahead + o, 0, 3);
         }
         if (i < steps) {
             if (i & 1)
