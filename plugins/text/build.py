@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import attrs
 import torch
@@ -51,6 +52,8 @@ class PreparedModel:
     description: str
     #: the matmuls run on the native kernels' threads (see ``TextRuntime.step_torch_threads``)
     is_native: bool = False
+    #: the native kernels' greedy pick over a batch of logits (see ``sampling.sample``), or None
+    argmax: Callable[[torch.Tensor], list[int]] | None = None
 
 
 def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> PreparedModel:
@@ -72,8 +75,10 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
             kernels.set_num_threads(torch.get_num_threads())
             quant.use_native_attention(model, kernels)
             if use_native_decoder(model, kernels):
-                return PreparedModel(report.describe() + "; layers run natively", is_native=True)
-        return PreparedModel(report.describe(), is_native=kernels is not None)
+                return PreparedModel(report.describe() + "; layers run natively", is_native=True,
+                                     argmax=kernels.argmax)
+            return PreparedModel(report.describe(), is_native=True, argmax=kernels.argmax)
+        return PreparedModel(report.describe())
     return PreparedModel("float32")
 
 
@@ -106,4 +111,5 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime
                           lora=lora, kv_dtype=kv_dtype)
     if prepared.is_native:
         runtime.step_torch_threads = 1
+    runtime.greedy_argmax = prepared.argmax
     return runtime

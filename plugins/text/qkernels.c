@@ -1066,12 +1066,20 @@ typedef struct {
     float *out;                     /* [t, hq, d] */
 } attention_t;
 
+typedef struct {
+    const float *x; /* [rows, n] */
+    long n;
+    int64_t *out;   /* [rows] */
+} argmax_t;
+
 /* A unit of work for the pool: `count` independent items, split in contiguous ranges. */
 typedef struct {
-    int kind; /* 0: matmul (items are groups of 16 output columns), 1: attention (items are (token, kv head) pairs) */
+    int kind; /* 0: matmul (items are groups of 16 output columns), 1: attention (items are (token, kv head)
+               * pairs), 2: argmax (items are rows) */
     long count;
     matmul_t mm;
     attention_t at;
+    argmax_t am;
 } job_t;
 
 
@@ -1437,11 +1445,50 @@ static void attention_items(const attention_t *a, long i0, long i1) {
         attention_items_of(a, i0, i1, 0);
 }
 
+/* The index of the first maximum of x[0..n) (n >= 1), or of the first NaN, as torch's max picks. */
+static long argmax_row(const float *x, long n) {
+    long i = 1, best_i = 0;
+    float best = x[0];
+    int has_nan = x[0] != x[0];
+#if IFB_ISA == 512
+    if (n >= 32) { /* per lane the first of its maxima, then the lowest index among the lanes' */
+        __m512 bv = _mm512_loadu_ps(x);
+        __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bi;
+        __mmask16 nan = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+            __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+            bv = _mm512_mask_mov_ps(bv, gt, v);
+            bi = _mm512_mask_mov_epi32(bi, gt, idx);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+        has_nan = nan != 0;
+        best = _mm512_reduce_max_ps(bv);
+        __mmask16 top = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(top, bi);
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] > best) {
+            best = x[i];
+            best_i = i;
+        }
+        has_nan |= x[i] != x[i];
+    }
+    if (has_nan)
+        for (i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    return best_i;
+}
+
 static void run_items(const job_t *job, long i0, long i1) {
     if (job->kind == 0)
         run_columns(&job->mm, i0, i1);
-    else
+    else if (job->kind == 1)
         attention_items(&job->at, i0, i1);
+    else
+        for (long r = i0; r < i1; r++) job->am.out[r] = argmax_row(job->am.x + r * job->am.n, job->am.n);
 }
 
 /* ---- a small pool ----
@@ -1619,6 +1666,13 @@ int ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int 
     }
     run_job(&job, m * n * (k / QK));
     return 0;
+}
+
+/* out[r] = the index of the first maximum of row r of x [m, n] (n >= 1), or of its first NaN: the
+ * greedy pick, as torch's max(dim=-1) makes it. */
+void ifb_argmax_rows(const float *x, long m, long n, int64_t *out) {
+    job_t job = {.kind = 2, .count = m, .am = {x, n, out}};
+    run_job(&job, m * n / QK);
 }
 
 /* Which sequence each query token belongs to; returns the longest context and sets *work (in

@@ -119,6 +119,9 @@ class Kernels:
         self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, ctypes.c_int, long, ptr, long, ptr,
                                     ptr, long, ctypes.c_float, ptr]
         self._attention.restype = None
+        self._argmax = lib.ifb_argmax_rows
+        self._argmax.argtypes = [ptr, long, long, ptr]
+        self._argmax.restype = None
         self._set_threads = lib.ifb_qk_set_threads
         self._set_threads.argtypes = [ctypes.c_int]
         self._get_threads = lib.ifb_qk_get_threads
@@ -188,6 +191,17 @@ class Kernels:
                         v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(), tables.shape[1],
                         starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
         return out
+
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Each row's greedy pick in ``logits [N, V]``: the first index of its maximum (of its first
+        NaN), as ``logits.max(dim=-1)`` picks it, over the kernels' threads."""
+        x = _rows(logits)
+        if x.shape[1] == 0:
+            raise ValueError("argmax over an empty vocabulary")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out.tolist()
 
 
 def check_attention_metadata(attn: AttnMetadata, cache_block_size: int) -> None:

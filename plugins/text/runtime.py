@@ -9,7 +9,7 @@ LoRA adapters and the legacy system-prompt KV capture.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,6 +71,8 @@ class TextRuntime:
         #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
         #: to gain from OpenMP, whose workers, woken from a non-main thread, only add latency.
         self.step_torch_threads: int | None = None
+        #: picks the tokens of an all-greedy batch (``sampling.sample``'s ``argmax``; None: torch's)
+        self.greedy_argmax: Callable[[torch.Tensor], list[int]] | None = None
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -122,7 +124,7 @@ class TextRuntime:
             if guided:
                 self.guided.mask_logits(logits, guided)
             samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
-                             [s.num_prompt_tokens for s in picked])
+                             [s.num_prompt_tokens for s in picked], argmax=self.greedy_argmax)
             if guided:
                 self.guided.advance([(s, samples[j].token_id) for j, s in guided])
             for (i, _), s, r in zip(rows, picked, samples):

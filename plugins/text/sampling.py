@@ -21,7 +21,7 @@ depends on how many rows came before.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -185,6 +185,7 @@ def sample(
     num_prompt_tokens: Sequence[int],
     *,
     generator: torch.Generator | None = None,
+    argmax: Callable[[torch.Tensor], list[int]] | None = None,
 ) -> list[SeqSample]:
     """Sample one token for each row of ``logits``.
 
@@ -196,6 +197,8 @@ def sample(
         num_prompt_tokens: per row, how many leading ids of the history are the prompt.
         generator: the random source for unseeded rows; ``None`` uses torch's default
             generator for ``logits.device``.
+        argmax: picks a batch of greedy rows' tokens (the first index of each row's maximum)
+            when every row is greedy; ``None``: torch's ``max(dim=-1)``.
 
     Returns:
         One :class:`SeqSample` per row, in row order.
@@ -221,7 +224,8 @@ def sample(
     if len(greedy) == batch and not penalised and not want_logprobs:
         # (No float32 cast first: casting is exact, so argmax over bf16/fp16 is the same.) max(dim)
         # picks the same first index of the maximum as argmax, at a third of its cost on CPUs.
-        return [SeqSample(token_id=t) for t in logits.max(dim=-1).indices.tolist()]
+        ids = argmax(logits) if argmax is not None else logits.max(dim=-1).indices.tolist()
+        return [SeqSample(token_id=t) for t in ids]
 
     logits = logits.float()
 

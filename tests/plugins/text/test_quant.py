@@ -7,6 +7,7 @@ Q4_1 projections, Q8_0 embedding) and loaded through the real loader.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import gguf
@@ -365,6 +366,38 @@ def test_kv_cache_dtype_option() -> None:
     assert kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "float16"}), "none", torch_path) == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
         kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "int4"}), "auto", native)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
+def test_native_argmax_picks_what_torch_picks(build: int) -> None:
+    kernels = KERNEL_BUILDS[build]
+    assert kernels is not None
+    g = torch.Generator().manual_seed(3)
+    # few distinct values: maxima tie within a vector lane, across lanes and in the scalar tail
+    logits = torch.randint(0, 4, (40, 1000), generator=g).float()
+    logits[1, 999] = 9.0  # the tail past the last whole vector
+    logits[2] = -math.inf
+    logits[3, 500] = math.nan
+    logits[4, 7] = logits[4, 900] = math.nan  # the first NaN
+    logits[5, 998] = math.nan  # a NaN in the tail
+    wide = torch.randn(3, 49152, generator=g)  # the default model's vocabulary
+    for x in (logits, wide, logits[:, :20], logits[:, :1], logits[:, 3:40]):  # narrow, strided
+        want = x.max(dim=-1).indices.tolist()
+        assert kernels.argmax(x) == want
+        assert [kernels.argmax(x[i:i + 1])[0] for i in range(x.shape[0])] == want  # whatever the batch
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        kernels.argmax(logits[:, :0])
+
+
+@needs_kernels
+def test_served_greedy_sampling_runs_on_the_native_argmax(tiny_gguf: Path) -> None:
+    llm = LLM(str(tiny_gguf), enable_in_flight_batching=True, max_batch_size=4)
+    try:
+        runtime = llm.deployment.runtime
+        assert runtime.greedy_argmax is not None and runtime.greedy_argmax.__func__ is qkernels.Kernels.argmax
+    finally:
+        llm.close()
 
 
 def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

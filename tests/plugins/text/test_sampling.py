@@ -45,6 +45,25 @@ def test_greedy_ties_pick_lowest_id() -> None:
     assert _run(logits, GREEDY)[0].token_id == 1
 
 
+def test_an_all_greedy_batch_takes_its_picks_from_the_given_argmax() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    seen = []
+
+    def argmax(x: torch.Tensor) -> list[int]:
+        seen.append(x)
+        return [7, 8, 9]
+
+    assert [s.token_id for s in sample(logits, [GREEDY] * 3, [[1]] * 3, [1] * 3, argmax=argmax)] == [7, 8, 9]
+    assert len(seen) == 1 and seen[0] is logits
+    # a batch with a sampled row, or a greedy row that wants logprobs, keeps the general path
+    sampled = SamplingParams(temperature=1.0, max_tokens=4, seed=1)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    for params in ([GREEDY, sampled, GREEDY], [GREEDY, with_logprobs, GREEDY]):
+        out = sample(logits, params, [[1]] * 3, [1] * 3, argmax=argmax)
+        assert [out[0].token_id, out[2].token_id] == logits[[0, 2]].argmax(dim=-1).tolist()
+    assert len(seen) == 1
+
+
 def test_greedy_hot_path_accepts_bf16() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).bfloat16()
     out = _run(logits, GREEDY)
