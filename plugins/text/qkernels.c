@@ -1222,7 +1222,8 @@ static float exp_shifted(float *p, long n, float top) {
 /* Cached K/V values are float32, or float16 (`half`, a constant at each call site) read as float32
  * (exact): a float16 cache halves the bytes a decode step streams for its context.
  * Row p of d cached values as float32: p itself, or (float16) converted into tmp. */
-INLINE const float *kv_row(const uint8_t *p, long d, int half, float *tmp) {
+INLINE const float *kv_row(const void *row, long d, int half, float *tmp) {
+    const uint8_t *p = (const uint8_t *)row;
     if (!half) return (const float *)p;
     long i = 0;
 #if IFB_ISA == 512
@@ -1296,16 +1297,16 @@ static const int KEY_OF_SLOT[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7
 
 INLINE int scores_fit(long d) { return d % 16 == 0; }
 
-INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
     __m512 v[16];
     for (int s = 0; s < 16; s++) {
-        const uint8_t *k = keys[KEY_OF_SLOT[s]];
+        const float *k = keys[KEY_OF_SLOT[s]];
         if (k == NULL) {
             v[s] = _mm512_setzero_ps();
             continue;
         }
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), kv_load(k, 0, half));
-        for (long i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv_load(k, i, half), acc);
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (long i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
         v[s] = acc;
     }
     __m512 t[8], u[4], w[2];
@@ -1328,20 +1329,16 @@ static const int KEY_OF_SLOT[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 INLINE int scores_fit(long d) { return d % 8 == 0; }
 
-INLINE __m256 kv_load(const uint8_t *p, long i, int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))) : _mm256_loadu_ps((const float *)p + i);
-}
-
-INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
     __m256 v[8];
     for (int s = 0; s < 8; s++) {
-        const uint8_t *k = keys[KEY_OF_SLOT[s]];
+        const float *k = keys[KEY_OF_SLOT[s]];
         if (k == NULL) {
             v[s] = _mm256_setzero_ps();
             continue;
         }
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), kv_load(k, 0, half));
-        for (long i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv_load(k, i, half), acc);
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (long i = 8; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
         v[s] = acc;
     }
     __m256 t[4], u[2];
@@ -1358,8 +1355,8 @@ INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float 
 #else
 #define SCORE_LANES 1
 INLINE int scores_fit(long d) { (void)d; return 0; }
-INLINE void score_run(const float *q, const uint8_t *const *keys, long d, float scale, float *out, int half) {
-    (void)q; (void)keys; (void)d; (void)scale; (void)out; (void)half;
+INLINE void score_run(const float *q, const float *const *keys, long d, float scale, float *out) {
+    (void)q; (void)keys; (void)d; (void)scale; (void)out;
 }
 #endif
 
@@ -1397,14 +1394,11 @@ INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half)
         const float *q0 = a->q + t * a->q_stride + g * group * d;
         if (scores_fit(d))
             for (long j0 = 0; j0 < ctx; j0 += SCORE_LANES) {
-                const uint8_t *const *run = keys + j0, *floats[SCORE_LANES];
+                const float *run[SCORE_LANES]; /* float16: converted once for the group's heads */
                 prefetch_rows(keys + j0 + 2 * SCORE_LANES, ctx - j0 - 2 * SCORE_LANES, d * es);
-                if (half) { /* the run's keys in float32, converted once for the group's heads */
-                    for (int s = 0; s < SCORE_LANES; s++)
-                        floats[s] = run[s] ? (const uint8_t *)kv_row(run[s], d, 1, tmp + s * d) : NULL;
-                    run = floats;
-                }
-                for (long h = 0; h < group; h++) score_run(q0 + h * d, run, d, a->scale, p + h * stride + j0, 0);
+                for (int s = 0; s < SCORE_LANES; s++)
+                    run[s] = keys[j0 + s] ? kv_row(keys[j0 + s], d, half, tmp + s * d) : NULL;
+                for (long h = 0; h < group; h++) score_run(q0 + h * d, run, d, a->scale, p + h * stride + j0);
             }
         else
             for (long h = 0; h < group; h++)
