@@ -1702,7 +1702,7 @@ void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hk
 
 /* ---- a whole decoder stack in one call ----
  * The Llama-family layer of model.py (pre-norm attention with rotate-half RoPE and GQA, then a
- * SwiGLU MLP), every projection on GGUF blocks and float32 KV caches, for all the step's tokens.
+ * SwiGLU MLP), every projection on GGUF blocks and float32 or float16 KV caches, for all the step's tokens.
  * It runs the same per-row operations as the kernels above; what it saves is the Python
  * dispatch of a few dozen small tensor operations per layer. */
 

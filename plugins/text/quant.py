@@ -265,7 +265,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
 
 
 def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:
-    """Run every layer's attention on the native kernel (float32 KV caches).
+    """Run every layer's attention on the native kernel (float32 or float16 KV caches).
 
     Each query row is computed on its own there, so a token's attention output
     is the same in a decode step, a batch, or any prefill chunk.
