@@ -1227,9 +1227,11 @@ INLINE const float *kv_row(const void *row, long d, int half, float *tmp) {
     if (!half) return (const float *)p;
     long i = 0;
 #if IFB_ISA == 512
-    for (; i + 16 <= d; i += 16) _mm512_storeu_ps(tmp + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))));
+    for (; i + 16 <= d; i += 16)
+        _mm512_storeu_ps(tmp + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))));
 #elif IFB_ISA == 256
-    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(tmp + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
 #endif
     for (; i < d; i++) tmp[i] = half_at(p + 2 * i);
     return tmp;
@@ -1237,7 +1239,8 @@ INLINE const float *kv_row(const void *row, long d, int half, float *tmp) {
 
 #if IFB_ISA == 512
 INLINE __m512 kv_load(const uint8_t *p, long i, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i))) : _mm512_loadu_ps((const float *)p + i);
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * i)))
+                : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* o_h = sum_j p_h[j] v_j over positions j < ctx for H heads at once (H and nv = d / 16 constants
@@ -1252,7 +1255,8 @@ INLINE void weighted_rows(float *o, const float *p, long p_stride, long ctx, con
         if (j0 + bs < ctx) { /* the next block's values */
             const uint8_t *next = v0 + table[j0 / bs + 1] * bs * row_bytes;
             for (long j = 0; j < bs && j0 + bs + j < ctx; j++)
-                for (long b = 0; b < 16 * nv * (half ? 2 : 4); b += 64) __builtin_prefetch(next + j * row_bytes + b, 0, 3);
+                for (long b = 0; b < 16 * nv * (half ? 2 : 4); b += 64)
+                    __builtin_prefetch(next + j * row_bytes + b, 0, 3);
         }
         for (long j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
             for (int c = 0; c < nv; c++) {
@@ -1402,7 +1406,8 @@ INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half)
             }
         else
             for (long h = 0; h < group; h++)
-                for (j = 0; j < ctx; j++) p[h * stride + j] = dot(q0 + h * d, kv_row(keys[j], d, half, tmp), d) * a->scale;
+                for (j = 0; j < ctx; j++)
+                    p[h * stride + j] = dot(q0 + h * d, kv_row(keys[j], d, half, tmp), d) * a->scale;
         for (long h = 0; h < group; h++) { /* the softmax weights */
             float *ph = p + h * stride;
             divide_by(ph, ctx, exp_shifted(ph, ctx, max_of(ph, ctx)));

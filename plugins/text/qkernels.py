@@ -188,14 +188,14 @@ class Kernels:
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
         out = torch.empty(t, hq, d, dtype=torch.float32)
         self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
-                        v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(), tables.shape[1],
-                        starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5, out.data_ptr())
+                        v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(),
+                        tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5,
+                        out.data_ptr())
         return out
 
-
     def argmax(self, logits: torch.Tensor) -> list[int]:
-        """Each row's greedy pick in ``logits [N, V]``: the first index of its maximum (of its first
-        NaN), as ``logits.max(dim=-1)`` picks it, over the kernels' threads."""
+        """Each row's greedy pick in ``logits [N, V]``: the first index of its maximum (or of its
+        first NaN), as ``logits.max(dim=-1)`` picks it, over the kernels' threads."""
         x = _rows(logits)
         if x.shape[1] == 0:
             raise ValueError("argmax over an empty vocabulary")
