@@ -64,9 +64,8 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
     import torch
 
     from ifb.capabilities import DeployConfig
-    from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, mode_for_activations
-
     from ifb_plugins.text import qkernels, quant
+    from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, mode_for_activations
     from ifb_plugins.text.default_model import resolve_model
     from ifb_plugins.text.gguf_loader import read_gguf_tensors
     from ifb_plugins.text.loader import build_model, load_checkpoint

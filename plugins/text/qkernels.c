@@ -84,6 +84,12 @@ INLINE uint16_t half_of(float f) {
 #endif
 }
 
+/* Ask for the cache lines of bytes [p, p + bytes): data the hardware prefetchers do not see coming
+ * (the next weight blocks a few steps ahead, KV pages scattered by the block tables). */
+INLINE void prefetch_span(const uint8_t *p, long bytes) {
+    for (long o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 int ifb_qk_isa(void) { return IFB_ISA; }
 
 /* ---- matmuls ----
@@ -770,8 +776,7 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
         for (int c = 0; c < C; c++) {
             q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
             if (b + Q8_AHEAD < nb) /* the group's blocks are contiguous: ask for one further on */
-                for (long o = 0; o < group_bytes(kind); o += 64)
-                    __builtin_prefetch(group_start(job, g0 + c, b + Q8_AHEAD, kind) + o, 0, 3);
+                prefetch_span(group_start(job, g0 + c, b + Q8_AHEAD, kind), group_bytes(kind));
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) s[r][c] = izero();
         }
@@ -861,7 +866,7 @@ INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int ki
  * chunk layout is AMX's), C = int32 [16][16].
  * The sums are the same integers as dot4's, then the same float32 operations: bit-identical.
  * The tile products cost little; what is left is each block's float32 steps per row and the
- * trip of C through memory, so this gains about a fifth over VNNI (measured at 16-128 rows). */
+ * trip of C through memory, which tile_amx overlaps with the products of the blocks after. */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAS_AMX 1
@@ -971,10 +976,8 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, i
             amx_unpack(job, gu, bu, kind, bts[i & 1]);
             NEXT(gu, bu);
         }
-        if (i + AMX_AHEAD < steps) { /* a chunk's steps are contiguous blocks: ask for one further on */
-            const uint8_t *ahead = group_start(job, g0, 0, kind) + (i + AMX_AHEAD) * group_bytes(kind);
-            for (long o = 0; o < group_bytes(kind); o += 64) __builtin_prefetch(ahead + o, 0, 3);
-        }
+        if (i + AMX_AHEAD < steps) /* a chunk's steps are contiguous blocks: ask for one further on */
+            prefetch_span(group_start(job, g0, 0, kind) + (i + AMX_AHEAD) * group_bytes(kind), group_bytes(kind));
         if (i < steps) {
             if (i & 1)
                 AMX_STORE(6, 7, cs[1]);
@@ -1255,8 +1258,7 @@ INLINE void weighted_rows(float *o, const float *p, long p_stride, long ctx, con
         if (j0 + bs < ctx) { /* the next block's values */
             const uint8_t *next = v0 + table[j0 / bs + 1] * bs * row_bytes;
             for (long j = 0; j < bs && j0 + bs + j < ctx; j++)
-                for (long b = 0; b < 16 * nv * (half ? 2 : 4); b += 64)
-                    __builtin_prefetch(next + j * row_bytes + b, 0, 3);
+                prefetch_span(next + j * row_bytes, 16 * nv * (half ? 2 : 4));
         }
         for (long j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
             for (int c = 0; c < nv; c++) {
@@ -1364,11 +1366,9 @@ INLINE void score_run(const float *q, const float *const *keys, long d, float sc
 }
 #endif
 
-/* Ask for the cache lines of up to SCORE_LANES rows of `bytes` (the caches' pages are scattered
- * by the block tables, where the hardware prefetchers lose the stream). */
+/* Ask for up to SCORE_LANES rows of `bytes`. */
 INLINE void prefetch_rows(const uint8_t *const *rows, long n, long bytes) {
-    for (long s = 0; s < n && s < SCORE_LANES; s++)
-        for (long b = 0; b < bytes; b += 64) __builtin_prefetch(rows[s] + b, 0, 3);
+    for (long s = 0; s < n && s < SCORE_LANES; s++) prefetch_span(rows[s], bytes);
 }
 
 /* Items [i0, i1): (token, kv head) pairs. The kv head's keys are scored for all the group's query

@@ -248,6 +248,7 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         assert runtime.model.model.layers[0].self_attn.attention_impl.__func__ is qkernels.Kernels.paged_attention
         assert isinstance(runtime.model.decoder_impl, NativeDecoder)
         assert runtime.kv_caches[0][0].dtype == torch.float16
+        assert runtime.greedy_argmax is not None and runtime.greedy_argmax.__func__ is qkernels.Kernels.argmax
         alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
                  for p in PROMPTS]
         # staggered arrivals and a 16-token budget: chunked prefills share steps with decodes
@@ -388,16 +389,6 @@ def test_native_argmax_picks_what_torch_picks(build: int) -> None:
         assert [kernels.argmax(x[i:i + 1])[0] for i in range(x.shape[0])] == want  # whatever the batch
     with pytest.raises(ValueError, match="empty vocabulary"):
         kernels.argmax(logits[:, :0])
-
-
-@needs_kernels
-def test_served_greedy_sampling_runs_on_the_native_argmax(tiny_gguf: Path) -> None:
-    llm = LLM(str(tiny_gguf), enable_in_flight_batching=True, max_batch_size=4)
-    try:
-        runtime = llm.deployment.runtime
-        assert runtime.greedy_argmax is not None and runtime.greedy_argmax.__func__ is qkernels.Kernels.argmax
-    finally:
-        llm.close()
 
 
 def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
