@@ -125,8 +125,9 @@ def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qty
         for n in (1, 2, 3):
             kernels.set_num_threads(n)
             # every row alone, and windows of rows (float32: few rows unpack the weights in each
-            # tile, 32 and more once into a panel; integers: from 16 rows, AMX tiles where the
-            # CPU has them), give the bits they gave in the full batch
+            # tile, 32 and more once into a panel; integers: AMX tiles of 16 rows where the CPU
+            # has them, and from 11 rows left over a tile padded with zero rows), give the bits
+            # they gave in the full batch
             assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(45))
             assert all(torch.equal(linear(x[i:i + w]), full[i:i + w])
                        for w in (2, 5, 9, 13, 17, 32, 37) for i in range(0, 45 - w, 3))
@@ -142,11 +143,13 @@ def test_integer_matmul_gives_the_same_bits_on_every_instruction_set(qtype: Q, a
     # integer block sums, then the same float32 operations in the same order: the AVX-512 (VNNI
     # or not) and AVX2 codes agree to the bit, so a checkpoint's output does not depend on the CPU
     block = random_blocks(qtype, 70, 96, seed=8)
-    # 37 rows: on an AMX CPU two tiles of 16 rows, and 5 rows on the vector code
-    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(9)) * 3
-    outs = [quant.BlockLinear(block, None, kernels, activations=activations)(x)  # type: ignore[arg-type]
-            for kernels in KERNEL_BUILDS if kernels is not None]
-    assert len(outs) == len(KERNEL_BUILDS) and all(torch.equal(out, outs[0]) for out in outs[1:])
+    # on an AMX CPU, 37 rows are two tiles of 16 rows and 5 rows on the vector code; 45 rows are
+    # three tiles, the last one of 13 rows padded with zero rows
+    for num_rows in (37, 45):
+        x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(9)) * 3
+        outs = [quant.BlockLinear(block, None, kernels, activations=activations)(x)  # type: ignore[arg-type]
+                for kernels in KERNEL_BUILDS if kernels is not None]
+        assert len(outs) == len(KERNEL_BUILDS) and all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @needs_kernels
