@@ -113,7 +113,9 @@ class DeploymentKind:
     """A kind of deployment a plugin can build.
 
     ``declare(config)`` returns the capabilities for that configuration without
-    loading weights; ``load(config)`` builds the runtime.
+    loading weights; ``load(config)`` builds the runtime. ``settings`` names the
+    ``DeployConfig.options`` keys the kind reads: any other key is refused at load
+    time rather than ignored (None: not declared, every key is passed through).
     """
 
     name: str
@@ -123,3 +125,4 @@ class DeploymentKind:
     load: Callable[[DeployConfig], Any]
     variants: tuple[MatrixVariant, ...] = ()
     description: str = ""
+    settings: frozenset[str] | None = None

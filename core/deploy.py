@@ -16,6 +16,21 @@ from ifb.plugins import PluginHost, default_host
 
 log = logging.getLogger("ifb.deploy")
 
+#: ``DeployConfig.options`` keys the core reads itself, whatever the plugin
+CORE_SETTINGS = frozenset({"warmup_prompt"})
+
+
+def check_settings(kind: DeploymentKind, config: DeployConfig) -> None:
+    """Refuse ``config.options`` keys that ``kind`` declares it does not read (never a silent no-op)."""
+    if kind.settings is None:
+        return
+    unknown = sorted(set(config.options) - kind.settings - CORE_SETTINGS)
+    if unknown:
+        named = ", ".join(f"{key} (--{key.replace('_', '-')})" for key in unknown)
+        takes = ", ".join(sorted(kind.settings)) or "none"
+        raise UnsupportedDeployment(f"the {kind.name} deployment does not read {named}; it would have no effect "
+                                    f"(its settings: {takes})")
+
 
 @attrs.define
 class Deployment:
@@ -54,6 +69,7 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     (before loading weights) when the flag is set and the gate refuses."""
     host = host or default_host()
     kind = host.kind(config.plugin)
+    check_settings(kind, config)
     reason = check_deployment(kind.declare(config), config)
     resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
     if resolved is not None:

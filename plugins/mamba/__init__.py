@@ -61,4 +61,5 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H)", declare=declare, load=load,
+        settings=frozenset({"served_model_name", "max_model_len", "device"}),
         description="Hybrid Mamba-2 / attention decoder from a Hugging Face Nemotron-H safetensors directory")]

@@ -94,12 +94,14 @@ def load_tts(config: DeployConfig):
 
 OMNI_KIND = DeploymentKind(
     name="omni", plugin="speech", title=OMNI_TITLE, declare=declare_omni, load=load_omni,
+    settings=frozenset({"served_model_name", "lora_adapters", "max_model_len"}),
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
     description="Thinker (Llama-family text model) + Talker (audio codec tokens) + code-to-waveform decoder "
                 "at 24 kHz, from a safetensors directory")
 TTS_KIND = DeploymentKind(
     name="tts", plugin="speech", title=TTS_TITLE, declare=declare_tts, load=load_tts,
+    settings=frozenset({"served_model_name"}),
     description="Talker + code-to-waveform decoder at 24 kHz (no Thinker), from a safetensors directory")
 
 

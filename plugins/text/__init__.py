@@ -11,6 +11,9 @@ from ifb.options import BLOCKING
 #: the runtime has no fixed batch dimension; this bounds the seat count it accepts
 MAX_BUILT_BATCH = 256
 
+#: the ``DeployConfig.options`` the text runtime reads (runtimes built on it add their own)
+TEXT_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_model_len", "quantization", "kv_cache_dtype"})
+
 TEXT_ENDPOINTS = {"completions": EndpointSupport.SERVED, "chat.completions": EndpointSupport.SERVED}
 
 
@@ -54,7 +57,8 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="text", plugin="text", title="Text LLM, single rank", declare=declare, load=load,
-        description="Llama-family decoder from a GGUF file or a Hugging Face safetensors directory")]
+        description="Llama-family decoder from a GGUF file or a Hugging Face safetensors directory",
+        settings=TEXT_SETTINGS)]
 
 
 @hookimpl

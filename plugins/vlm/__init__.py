@@ -99,5 +99,8 @@ def ifb_deployment_kinds():
     return [DeploymentKind(
         name="vlm", plugin="vlm", title="Vision / audio input (multimodal)", declare=declare, load=load,
         variants=VARIANTS,
+        # its own loader: the text plugin's quantization and KV cache settings are not read
+        settings=frozenset({"served_model_name", "lora_adapters", "max_model_len", PRUNER_OPTION,
+                            "allowed_local_media_path"}),
         description="LLaVA-style checkpoint: SigLIP-style vision and Whisper-style audio encoders, "
                     "projectors and a Llama-family decoder")]
