@@ -1445,22 +1445,20 @@ INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half,
 
 /* Specialised for float16 or float32 caches and for the usual head sizes, whose loops over d the
  * compiler can then unroll (the same operations in the same order as for any d). */
+INLINE void attention_items_by_d(const attention_t *a, long i0, long i1, int half) {
+    if (a->d == 64)
+        attention_items_of(a, i0, i1, half, 64);
+    else if (a->d == 128)
+        attention_items_of(a, i0, i1, half, 128);
+    else
+        attention_items_of(a, i0, i1, half, 0);
+}
+
 static void attention_items(const attention_t *a, long i0, long i1) {
-    if (a->kv_half) {
-        if (a->d == 64)
-            attention_items_of(a, i0, i1, 1, 64);
-        else if (a->d == 128)
-            attention_items_of(a, i0, i1, 1, 128);
-        else
-            attention_items_of(a, i0, i1, 1, 0);
-    } else {
-        if (a->d == 64)
-            attention_items_of(a, i0, i1, 0, 64);
-        else if (a->d == 128)
-            attention_items_of(a, i0, i1, 0, 128);
-        else
-            attention_items_of(a, i0, i1, 0, 0);
-    }
+    if (a->kv_half)
+        attention_items_by_d(a, i0, i1, 1);
+    else
+        attention_items_by_d(a, i0, i1, 0);
 }
 
 /* The index of the first maximum of x[0..n) (n >= 1), or of the first NaN, as torch's max picks. */
