@@ -23,7 +23,7 @@ from ifb.capabilities import (
 )
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
-from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, text_options
+from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 
 #: extras key: speak the prompt as given instead of answering it (what /v1/audio/speech asks)
 SPEAK_PROMPT = "speak_prompt"
@@ -94,7 +94,7 @@ def load_tts(config: DeployConfig):
 
 OMNI_KIND = DeploymentKind(
     name="omni", plugin="speech", title=OMNI_TITLE, declare=declare_omni, load=load_omni,
-    settings=frozenset({"served_model_name", "lora_adapters", "max_model_len"}),
+    settings=TEXT_RUNTIME_SETTINGS,
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
     description="Thinker (Llama-family text model) + Talker (audio codec tokens) + code-to-waveform decoder "

@@ -11,8 +11,10 @@ from ifb.options import BLOCKING
 #: the runtime has no fixed batch dimension; this bounds the seat count it accepts
 MAX_BUILT_BATCH = 256
 
-#: the ``DeployConfig.options`` the text runtime reads (runtimes built on it add their own)
-TEXT_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_model_len", "quantization", "kv_cache_dtype"})
+#: the ``DeployConfig.options`` every deployment on ``TextRuntime`` reads (its loader: the name and
+#: adapters; the runtime: the context limit); the text loader adds its kernels' and cache's
+TEXT_RUNTIME_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_model_len"})
+TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {"quantization", "kv_cache_dtype"}
 
 TEXT_ENDPOINTS = {"completions": EndpointSupport.SERVED, "chat.completions": EndpointSupport.SERVED}
 

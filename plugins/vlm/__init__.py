@@ -16,7 +16,7 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, text_options
+from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 
 log = logging.getLogger("ifb.vlm")
 
@@ -100,7 +100,6 @@ def ifb_deployment_kinds():
         name="vlm", plugin="vlm", title="Vision / audio input (multimodal)", declare=declare, load=load,
         variants=VARIANTS,
         # its own loader: the text plugin's quantization and KV cache settings are not read
-        settings=frozenset({"served_model_name", "lora_adapters", "max_model_len", PRUNER_OPTION,
-                            "allowed_local_media_path"}),
+        settings=TEXT_RUNTIME_SETTINGS | {PRUNER_OPTION, "allowed_local_media_path"},
         description="LLaVA-style checkpoint: SigLIP-style vision and Whisper-style audio encoders, "
                     "projectors and a Llama-family decoder")]
