@@ -236,7 +236,7 @@ INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {
 #define Q8_OFFSET 0
 #endif
 INLINE ivec isub(ivec s, int32_t v) { return _mm512_sub_epi32(s, _mm512_set1_epi32(v)); }
-INLINE ivec itimes254(ivec s) { return _mm512_sub_epi32(_mm512_slli_epi32(s, 8), _mm512_slli_epi32(s, 1)); }
+INLINE ivec itimes256(ivec s) { return _mm512_slli_epi32(s, 8); }
 INLINE ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 INLINE vec icvt_scaled(ivec s, float scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale)); }
 INLINE vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -375,9 +375,8 @@ INLINE ivec iadd(ivec a, ivec b) {
     ivec r = {_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)};
     return r;
 }
-INLINE ivec itimes254(ivec s) {
-    ivec r = {_mm256_sub_epi32(_mm256_slli_epi32(s.a, 8), _mm256_slli_epi32(s.a, 1)),
-              _mm256_sub_epi32(_mm256_slli_epi32(s.b, 8), _mm256_slli_epi32(s.b, 1))};
+INLINE ivec itimes256(ivec s) {
+    ivec r = {_mm256_slli_epi32(s.a, 8), _mm256_slli_epi32(s.b, 8)};
     return r;
 }
 INLINE vec icvt_scaled(ivec s, float scale) {
@@ -486,8 +485,8 @@ INLINE ivec isub(ivec s, int32_t v) {
     for (int c = 0; c < GROUP; c++) s.v[c] -= v;
     return s;
 }
-INLINE ivec itimes254(ivec s) {
-    for (int c = 0; c < GROUP; c++) s.v[c] *= 254;
+INLINE ivec itimes256(ivec s) {
+    for (int c = 0; c < GROUP; c++) s.v[c] *= 256;
     return s;
 }
 INLINE ivec iadd(ivec a, ivec b) {
@@ -689,9 +688,11 @@ INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
 
 /* ---- integer activations ----
  * x is quantized per row and 32-block: scale s = max|x| / L, codes round(x * L / max|x|) (ties
- * to even), with L = 127 (8-bit codes, llama.cpp's Q8_0 activations: one int8 pass) or L = 32258
- * (about 15 bits: a code q is split exactly into q = 254 * q1 + q2 with q1, q2 in -127..127, and
- * the block sum is 254 * sum(code_w * q1) + sum(code_w * q2): two int8 passes). A block's
+ * to even), with L = 127 (8-bit codes, llama.cpp's Q8_0 activations: one int8 pass) or L = 32512
+ * (about 15 bits, two int8 passes: a code q is q = 256 * q1 + q2 with q1 = round(q / 256) and
+ * q2 in -127..127, and the block sum is 256 * sum(code_w * q1) + sum(code_w * q2), one shift and
+ * one add to join the passes. The 1 in 256 codes whose q2 would be +-128 (which the AVX2 sign
+ * trick cannot negate) move one step towards q1's multiple of 256 first). A block's
  * integer sum S = sum(code_w * code_x) is exact; then, block by block in one fixed order,
  *   Q4_0: acc = fma((S - 8 * sum(code_x)) * s, d, acc)
  *   Q4_1: acc = fma(S * s, d, acc); acc = fma(m, s * sum(code_x), acc)
@@ -699,7 +700,7 @@ INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
  * so a row's result is the same whatever the batch, the tiling, the threads or the ISA. */
 
 #define LEVELS_1 127.0f   /* one pass */
-#define LEVELS_2 32258.0f /* two passes: 254 * 127 */
+#define LEVELS_2 32512.0f /* two passes: 256 * 127 */
 
 /* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
 static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
@@ -718,15 +719,21 @@ static void quantize_rows(const float *x, long m, long k, int passes, long mq, i
         __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
         qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
         qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), nlim);
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        if (passes == 2) {
-            __m512 third = _mm512_set1_ps(1.0f / 254.0f);
-            __m512i ha = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qa), third));
-            __m512i hb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qb), third));
-            _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(_mm512_sub_epi32(qa, itimes254(ha))));
-            _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(_mm512_sub_epi32(qb, itimes254(hb))));
+        if (passes == 2) { /* q / 256 is exact in float32: its rounding ties to even */
+            __m512 part = _mm512_set1_ps(1.0f / 256.0f);
+            __m512i ha = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qa), part));
+            __m512i hb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qb), part));
+            __m512i l7 = _mm512_set1_epi32(127), nl7 = _mm512_set1_epi32(-127);
+            __m512i la = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qa, itimes256(ha)), l7), nl7);
+            __m512i lb = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qb, itimes256(hb)), l7), nl7);
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(itimes256(ha), la),
+                                                           _mm512_add_epi32(itimes256(hb), lb)));
+            _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(la));
+            _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(lb));
             qa = ha;
             qb = hb;
+        } else {
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         }
         _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
@@ -737,11 +744,14 @@ static void quantize_rows(const float *x, long m, long k, int passes, long mq, i
         for (int j = 0; j < QK; j++) {
             float v = nearbyintf(p[j] * inv); /* ties to even, as the vector conversion */
             int c = v > levels ? (int)levels : v < -levels ? -(int)levels : (int)v;
-            sum += c;
             if (passes == 2) {
-                int h = (int)nearbyintf((float)c * (1.0f / 254.0f));
-                q2[j] = (int8_t)(c - 254 * h);
+                int h = (int)nearbyintf((float)c * (1.0f / 256.0f)), l = c - 256 * h;
+                l = l > 127 ? 127 : l < -127 ? -127 : l;
+                sum += 256 * h + l;
+                q2[j] = (int8_t)l;
                 c = h;
+            } else {
+                sum += c;
             }
             q[j] = (int8_t)c;
         }
@@ -783,8 +793,8 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
             for (int r = 0; r < R; r++) s[r][c] = izero();
         }
         /* Two passes: small tiles unpack each chunk once and sum its products with the codes'
-         * high parts (s) and low parts (s2), then s = 254 * s + s2; larger ones (which would run
-         * out of registers so) go over the block twice, s = 254 * s between the passes. */
+         * high parts (s) and low parts (s2), then s = 256 * s + s2; larger ones (which would run
+         * out of registers so) go over the block twice, s = 256 * s between the passes. */
         const int fused = P == 2 && R * C <= 4;
         ivec s2[MAX_RQ][4];
 #pragma GCC unroll 8
@@ -797,7 +807,7 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                    for (int c = 0; c < C; c++) s[r][c] = itimes254(s[r][c]);
+                    for (int c = 0; c < C; c++) s[r][c] = itimes256(s[r][c]);
             if (kind == Q8_0) {
 #pragma GCC unroll 8
                 for (int t = 0; t < QK / 4; t++)
@@ -832,7 +842,7 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) s[r][c] = iadd(itimes254(s[r][c]), s2[r][c]);
+                for (int c = 0; c < C; c++) s[r][c] = iadd(itimes256(s[r][c]), s2[r][c]);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
@@ -997,7 +1007,7 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, i
 #pragma GCC unroll 16
         for (int r = 0; r < AMX_ROWS; r++) { /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them */
             ivec s = _mm512_load_si512((const void *)c1[r]);
-            if (P == 2) s = iadd(itimes254(s), _mm512_load_si512((const void *)c2[r]));
+            if (P == 2) s = iadd(itimes256(s), _mm512_load_si512((const void *)c2[r]));
             acc[r] = block_step(job, r0 + r, be, kind, s, d, m, acc[r]);
         }
         if (be == nb - 1) /* the group's last block; padding rows are not stored */

@@ -61,7 +61,7 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
 Activations = Literal["int16", "int8", "float32"]
 #: how ``block_matmul`` takes its input rows, as the C code's int8 passes per block:
-#: ``int16``: codes of about 15 bits per block of 32 (max|x| / 32258 steps), near float32 results;
+#: ``int16``: codes of about 15 bits per block of 32 (max|x| / 32512 steps), near float32 results;
 #: ``int8``: llama.cpp's 8-bit codes (max|x| / 127 steps), the fastest; ``float32``: as they are
 ACTIVATIONS: dict[str, int] = {"int16": 2, "int8": 1, "float32": 0}
 #: KV cache dtypes the native attention reads, and the C code's flag for each (1: float16)

@@ -63,18 +63,22 @@ def gguf_tensor(qtype: Q, n: int, k: int, seed: int = 0) -> GGUFTensor:
 
 
 #: the integer activations' code range (``qkernels.ACTIVATIONS``)
-LEVELS = {"int8": 127.0, "int16": 32258.0}
+LEVELS = {"int8": 127.0, "int16": 32512.0}
 
 
 def integer_rows(x: torch.Tensor, activations: str) -> torch.Tensor:
     """``x`` as the integer-activation kernels see it: per 32-block, codes ``round(x * L / max|x|)``
-    (ties to even) times the scale ``max|x| / L``, in float64."""
+    (ties to even) times the scale ``max|x| / L``, in float64. 15-bit codes are 256 * h + l with
+    h = round(code / 256) and l clamped to -127..127 (the two int8 passes)."""
     levels = LEVELS[activations]
     blocks = x.reshape(x.shape[0], -1, 32)
     top = blocks.abs().amax(-1, keepdim=True)
     # tensor / tensor: a true division (a scalar / tensor may run as a reciprocal and a product)
     inv = torch.where(top > 0, torch.full_like(top, levels) / top, torch.zeros_like(top))
     codes = (blocks * inv).round().clamp(-levels, levels)
+    if activations == "int16":
+        high = (codes / 256).round()
+        codes = 256 * high + (codes - 256 * high).clamp(-127, 127)
     return (codes.double() * (top / levels).double()).reshape(x.shape)
 
 
@@ -133,6 +137,30 @@ def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qty
                        for w in (2, 5, 9, 13, 17, 32, 37) for i in range(0, 45 - w, 3))
     finally:
         kernels.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
+def test_15_bit_codes_at_the_seam_of_their_two_passes(build: int) -> None:
+    # Codes 256 * h + 128 would need a low part of +-128, which int8 sign tricks cannot negate:
+    # they move one step towards 256 * h, and no other code moves. A weight of ones in column j
+    # (Q8_0: d = 1/127 rounded to float16, codes 127) reads the codes of column j back.
+    kernels = KERNEL_BUILDS[build]
+    codes = torch.tensor([32512, 128, -128, 384, -384, 32384, -32384, 127, 129, -129, 255, 256,
+                          257, 1, 0, -1] + list(range(1000, 17000, 1000)), dtype=torch.float64)
+    x = codes.float().reshape(1, 32)  # max|x| = 32512: the codes are x itself, at a scale of 1
+    weight = torch.zeros(32, 32)
+    weight.fill_diagonal_(1.0)
+    tensor = GGUFTensor("w", Q.Q8_0, (32, 32), gguf.quants.quantize(weight.numpy(), Q.Q8_0))
+    block = quant.read_blocks(tensor)
+    assert block is not None
+    y = quant.BlockLinear(block, None, kernels, activations="int16")(x).double()  # type: ignore[arg-type]
+    one = block.dequantize().double()[0, 0]
+    high = (codes / 256).round()
+    expected = 256 * high + (codes - 256 * high).clamp(-127, 127)
+    assert torch.allclose(y[0] / one, expected, rtol=0, atol=1e-2)
+    assert torch.equal(expected != codes, (codes - 256 * high).abs() == 128)
+    assert (expected != codes).sum() == 7 and (expected - codes).abs().max() == 1  # 16000 = 62.5 * 256 too
 
 
 @needs_kernels
