@@ -885,9 +885,10 @@ INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int ki
 #define AMX_AHEAD 8 /* steps between a block's prefetch and its products */
 #define AMX_ROWS 16
 /* Rows left over from whole tiles from which a tile padded with zero rows beats the vector tiles
- * (measured, Q4_1 at 15-bit activations: 15 rows cost the vector tiles 10.8 ms a 30-layer step,
- * a padded tile 7.9 ms; at 10 rows both cost about 7.6 ms). The rows' results are the same. */
-#define AMX_PAD_MIN 11
+ * (measured, Q4_1 at 15-bit activations, a 30-layer step: 9 rows 6.9 ms on the vector tiles and
+ * 6.4 ms padded, 10 rows 7.3 and 6.9, 15 rows 10.8 and 7.9; at 8 rows the vector tiles win, 5.5
+ * against 5.9 ms). The rows' results are the same. */
+#define AMX_PAD_MIN 9
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

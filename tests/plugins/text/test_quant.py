@@ -130,7 +130,7 @@ def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qty
             kernels.set_num_threads(n)
             # every row alone, and windows of rows (float32: few rows unpack the weights in each
             # tile, 32 and more once into a panel; integers: AMX tiles of 16 rows where the CPU
-            # has them, and from 11 rows left over a tile padded with zero rows), give the bits
+            # has them, and from 9 rows left over a tile padded with zero rows), give the bits
             # they gave in the full batch
             assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(45))
             assert all(torch.equal(linear(x[i:i + w]), full[i:i + w])
