@@ -19,13 +19,13 @@ from ifb.blocking import drive_alone
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
-from ifb.runtime import Prepared, ScheduledStep, SeqOutput, StepOutput
+from ifb.runtime import Prepared, ScheduledStep, StepOutput
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
 from ifb_plugins.text.prompt import prompt_token_ids
 from ifb_plugins.text.runtime import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
-from ifb_plugins.text.sampling import sample
+from ifb_plugins.text.sampling import sample_step
 from ifb_plugins.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.mamba")
@@ -66,20 +66,7 @@ class HybridRuntime:
                               self.kv_block_size, self.device)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, layout, self.cache)  # [T, H]
-        rows, last = [], -1
-        for i, s in enumerate(seqs):
-            last += len(s.token_ids)
-            if s.is_sampling:
-                rows.append((i, last))
-        results: dict[int, SeqOutput] = {}
-        if rows:
-            logits = self.model.compute_logits(hidden[[t for _, t in rows]])  # [N, V]
-            picked = [seqs[i] for i, _ in rows]
-            samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
-                             [s.num_prompt_tokens for s in picked])
-            for (i, _), s, r in zip(rows, picked, samples):
-                results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
-        return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
+        return sample_step(seqs, hidden, self.model.compute_logits)
 
     def release(self, request_id: str, seat: int) -> None:
         # KV blocks go back through the engine; the recurrent state lives here and is cleared now.

@@ -184,6 +184,11 @@ class GuidedDecoder:
         return grammar
 
     # ---- per step (the executing thread) ----
+    @staticmethod
+    def applies_to(seq: ScheduledSeq) -> bool:
+        """Whether ``seq`` decodes under a grammar (its request was compiled one at admission)."""
+        return GUIDED_GRAMMAR in seq.extras
+
     def mask_logits(self, logits: torch.Tensor, rows: Sequence[tuple[int, ScheduledSeq]]) -> None:
         """Set to -inf, in place, the logits each guided row's grammar forbids next.
 

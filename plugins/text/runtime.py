@@ -18,13 +18,13 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.kv import BlockManager
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
-from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput
+from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, StepOutput
 from ifb_plugins.text.attention import build_attn_metadata
 from ifb_plugins.text.guided import GUIDED_GRAMMAR, GuidedDecoder
 from ifb_plugins.text.lora import LoraSet
 from ifb_plugins.text.model import TextModel, allocate_kv_cache
 from ifb_plugins.text.prompt import prompt_token_ids, render_chat
-from ifb_plugins.text.sampling import sample
+from ifb_plugins.text.sampling import sample_step
 from ifb_plugins.text.syscache import SystemPromptCache
 from ifb_plugins.text.tokenizer import TextTokenizer
 
@@ -111,25 +111,7 @@ class TextRuntime:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, ids))  # [T, H]
-        rows, last = [], -1
-        for i, s in enumerate(seqs):
-            last += len(s.token_ids)
-            if s.is_sampling:
-                rows.append((i, last))
-        results: dict[int, SeqOutput] = {}
-        if rows:
-            logits = self.model.compute_logits(hidden[[t for _, t in rows]])  # [N, V]
-            picked = [seqs[i] for i, _ in rows]
-            guided = [(j, s) for j, s in enumerate(picked) if GUIDED_GRAMMAR in s.extras]
-            if guided:
-                self.guided.mask_logits(logits, guided)
-            samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
-                             [s.num_prompt_tokens for s in picked], argmax=self.greedy_argmax)
-            if guided:
-                self.guided.advance([(s, samples[j].token_id) for j, s in guided])
-            for (i, _), s, r in zip(rows, picked, samples):
-                results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
-        return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
+        return sample_step(seqs, hidden, self.model.compute_logits, argmax=self.greedy_argmax, guided=self.guided)
 
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Input embeddings ``[T, H]`` for the step, or None to embed ``input_ids`` as usual.

@@ -21,14 +21,18 @@ depends on how many rows came before.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
 import torch
 
 from ifb.params import SamplingParams
+from ifb.runtime import ScheduledSeq, SeqOutput, StepOutput
 
-__all__ = ["SeqSample", "sample"]
+if TYPE_CHECKING:
+    from ifb_plugins.text.guided import GuidedDecoder
+
+__all__ = ["SeqSample", "sample", "sample_step"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -276,3 +280,40 @@ def sample(
                 top_logprobs=tuple(zip(top_ids_l[j][:n], top_vals_l[j][:n])),
             )
     return results
+
+
+def sample_step(
+    seqs: Sequence[ScheduledSeq],
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    argmax: Callable[[torch.Tensor], list[int]] | None = None,
+    guided: GuidedDecoder | None = None,
+) -> StepOutput:
+    """A stepped runtime's output for ``seqs``, from the step's hidden states ``[T, H]``.
+
+    The hidden state of each sampling sequence's last token (the step's tokens are
+    concatenated in ``seqs`` order) goes through ``compute_logits`` and :func:`sample`;
+    the other sequences (prefill chunks that do not end their prompt) get no token.
+    With ``guided``, rows whose sequence carries a grammar are masked before sampling
+    and their grammars advanced after.
+    """
+    rows, last = [], -1
+    for i, s in enumerate(seqs):
+        last += len(s.token_ids)
+        if s.is_sampling:
+            rows.append((i, last))
+    results: dict[int, SeqOutput] = {}
+    if rows:
+        logits = compute_logits(hidden[[t for _, t in rows]])  # [N, V]
+        picked = [seqs[i] for i, _ in rows]
+        constrained = [(j, s) for j, s in enumerate(picked) if guided is not None and guided.applies_to(s)]
+        if constrained:
+            guided.mask_logits(logits, constrained)
+        samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
+                         [s.num_prompt_tokens for s in picked], argmax=argmax)
+        if constrained:
+            guided.advance([(s, samples[j].token_id) for j, s in constrained])
+        for (i, _), s, r in zip(rows, picked, samples):
+            results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
+    return StepOutput(tuple(results.get(i) or SeqOutput(s.request_id, None) for i, s in enumerate(seqs)))
