@@ -872,7 +872,8 @@ INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int ki
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && IFB_ISA == 512
 /* ---- AMX tiles for the integer sums ----
- * Whole tiles of 16 rows (the rows left over go to the vector code): a block's sums for 16 rows
+ * Whole tiles of 16 rows, and a part tile of AMX_PAD_MIN rows or more padded with zero rows (fewer
+ * rows left over go to the vector code): a block's sums for 16 rows
  * by 16 columns come from one tile product per pass: A = 16 rows of the block's 32 activation
  * codes, B = the group block's 8 chunks as its 8 rows (4 codes of each column side by side: the
  * chunk layout is AMX's), C = int32 [16][16].

@@ -19,9 +19,10 @@ output columns or (token, head) pairs, never inside a sum, so no result depends 
 the batch or the thread count; the integer paths' results do not depend on the
 instruction set either.
 
-On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows get
-their integer block sums from AMX tile products, bit-identical to the vector
-code; ``IFB_KERNEL_AMX=0`` turns that off.
+On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows (and
+9 to 15 rows left over, padded with zero rows) get their integer block sums from
+AMX tile products, bit-identical to the vector code; ``IFB_KERNEL_AMX=0`` turns
+that off.
 
 The C file is built once per machine with the system C compiler (``$CC``, else
 ``cc``) and ``-O3 -march=native`` (``$IFB_KERNEL_MARCH`` replaces ``native``,
