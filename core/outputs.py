@@ -60,6 +60,36 @@ class RequestFailed(RuntimeError):
 _END = object()
 
 
+class Deliveries:
+    """Outputs bound for event loops, held until ``flush`` hands each loop its share at once.
+
+    A decode step streams a token to every running request. One
+    ``call_soon_threadsafe`` per loop per step, instead of one per output, spares
+    the loop a wake-up (and the engine a self-pipe write) for every token, and
+    the two threads as many hand-overs of the GIL. A handle's outputs keep their
+    order: they go out in the order they were added.
+    """
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, aq: asyncio.Queue, item: object) -> None:
+        self._by_loop.setdefault(loop, []).append((aq, item))
+
+    def flush(self) -> None:
+        by_loop, self._by_loop = self._by_loop, {}
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for aq, item in items:
+        aq.put_nowait(item)
+
+
 class RequestHandle:
     """A submitted request: iterate it (sync or async) for outputs, or cancel it.
 
@@ -77,7 +107,9 @@ class RequestHandle:
         self.done = threading.Event()
 
     # -- producer side (engine thread) --
-    def push(self, output: RequestOutput) -> None:
+    def push(self, output: RequestOutput, deliveries: Deliveries | None = None) -> None:
+        """Hand ``output`` to the consumer; an async consumer's via ``deliveries`` when given
+        (it then arrives at their next ``flush``)."""
         with self._lock:
             if self.done.is_set():
                 return
@@ -90,6 +122,11 @@ class RequestHandle:
                     self._queue.put(_END)
                 return
         loop, aq = target
+        if deliveries is not None:
+            deliveries.add(loop, aq, output)
+            if output.finished:
+                deliveries.add(loop, aq, _END)
+            return
         try:
             loop.call_soon_threadsafe(aq.put_nowait, output)
             if output.finished:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 from ifb.counters import SchedulingCounters
 from ifb.kv import BlockManager
-from ifb.outputs import RequestOutput, TokenLogprob
+from ifb.outputs import Deliveries, RequestOutput, TokenLogprob
 from ifb.request import Request, Status
 from ifb.runtime import ScheduledSeq, ScheduledStep, StepOutput, Tokenizer
 
@@ -72,6 +72,8 @@ class Scheduler:
         self._batch_length: int | None = None
         self._step_id = 0
         self.listeners: list = []  # objects with on_token(req, now) / on_finish(req, now)
+        #: while update() runs: async consumers' outputs, handed over once at its end
+        self._deliveries: Deliveries | None = None
         #: why each request that is not in the last step was left out (for tests and debugging)
         self.exclusions: dict[str, str] = {}
 
@@ -193,14 +195,19 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.commit(step, self.requests)
         now = time.monotonic()
-        for seq, out in zip(step.seqs, output.seqs, strict=True):
-            r = self.requests.get(seq.request_id)
-            if r is None or r.status is not Status.RUNNING:
-                continue
-            r.num_computed_tokens += len(seq.token_ids)
-            if not seq.is_sampling:
-                continue
-            self._append_token(r, out, now)
+        self._deliveries = Deliveries()
+        try:
+            for seq, out in zip(step.seqs, output.seqs, strict=True):
+                r = self.requests.get(seq.request_id)
+                if r is None or r.status is not Status.RUNNING:
+                    continue
+                r.num_computed_tokens += len(seq.token_ids)
+                if not seq.is_sampling:
+                    continue
+                self._append_token(r, out, now)
+        finally:
+            deliveries, self._deliveries = self._deliveries, None
+            deliveries.flush()
 
     def _append_token(self, r: Request, out, now: float) -> None:
         token = out.token_id
@@ -229,7 +236,7 @@ class Scheduler:
                 request_id=r.request_id, text=r.detok.release(final=False), token_ids=(token,),
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
                 logprobs=logprobs, index=r.index,
-            ))
+            ), self._deliveries)
 
     def _logprob(self, token: int, out) -> TokenLogprob:
         decode = self.tokenizer.decode
@@ -285,4 +292,4 @@ class Scheduler:
             request_id=r.request_id, text=r.detok.release(final=True), token_ids=token_ids,
             finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=len(r.output_token_ids), logprobs=logprobs, error=error, index=r.index,
-        ))
+        ), self._deliveries)

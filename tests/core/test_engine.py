@@ -65,6 +65,44 @@ def test_async_iteration():
         eng.shutdown()
 
 
+def test_async_consumers_get_each_step_in_one_loop_wake_up():
+    """Concurrent async streams arrive whole and in order, each step's outputs handed to the loop
+    together (one call_soon_threadsafe per step, not one per token)."""
+    gate = threading.Event()  # no step runs before the consumers listen
+    eng = engine(FakeRuntime(gate=gate))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    wake_ups = []
+
+    async def consume():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wake_ups.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        handles = [eng.submit(spec(p)) for p in prompts]
+
+        async def one(h):
+            return [o async for o in h]
+
+        tasks = [asyncio.ensure_future(one(h)) for h in handles]
+        await asyncio.sleep(0.05)  # each task attaches to its handle at its first await
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    try:
+        streams = asyncio.run(consume())
+    finally:
+        eng.shutdown()
+    for p, outs in zip(prompts, streams):
+        assert [t for o in outs for t in o.token_ids] == expected(p, 6)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    # 18 outputs and 3 ends, in at most 7 steps (the last two prompts may join at the second)
+    assert sum(wake_ups) == 21 and len(wake_ups) <= 7
+
+
 @pytest.mark.parametrize("extras,params,word", [
     ({"lora": "my-adapter"}, {}, "Per-request LoRA"),
     ({}, {"n": 2}, "More than one sequence"),
