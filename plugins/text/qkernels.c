@@ -1799,9 +1799,24 @@ static void rms_norm_rows(const float *x, long rows, long dim, const float *w, f
 
 /* x = x * cos + swap_halves(x) * signed_sin, as model.py's _apply_rope_signed computes it. */
 static void rope_in_place(float *x, long d, const float *cos, const float *sin, float *tmp) {
-    long half = d / 2;
-    for (long i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
-    for (long i = 0; i < d; i++) x[i] = tmp[i];
+    long half = d / 2, i = 0;
+#if IFB_ISA == 512
+    if (half % 16 == 0) /* a vector's partners are a vector too */
+        for (; i < d; i += 16) {
+            const float *partner = x + (i < half ? i + half : i - half);
+            _mm512_storeu_ps(tmp + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i)),
+                                                    _mm512_mul_ps(_mm512_loadu_ps(partner), _mm512_loadu_ps(sin + i))));
+        }
+#elif IFB_ISA == 256
+    if (half % 8 == 0)
+        for (; i < d; i += 8) {
+            const float *partner = x + (i < half ? i + half : i - half);
+            _mm256_storeu_ps(tmp + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(cos + i)),
+                                                    _mm256_mul_ps(_mm256_loadu_ps(partner), _mm256_loadu_ps(sin + i))));
+        }
+#endif
+    for (; i < d; i++) tmp[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+    for (i = 0; i < d; i++) x[i] = tmp[i];
 }
 
 /* cache[at + i] = x[i] for i < n, in float32 or (half) as float16 rounded to nearest even, as
@@ -1812,7 +1827,15 @@ static void store_kv(void *cache, long at, const float *x, long n, int half) {
         return;
     }
     uint16_t *out = (uint16_t *)cache + at;
-    for (long i = 0; i < n; i++) out[i] = half_of(x[i]);
+    long i = 0;
+#if IFB_ISA == 512
+    for (; i + 16 <= n; i += 16) /* the same rounding as half_of's */
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#elif IFB_ISA == 256
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = half_of(x[i]);
 }
 
 /* Run every layer over the step's tokens; x [t, hidden] is updated in place. 0, or what failed:

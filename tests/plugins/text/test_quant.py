@@ -314,12 +314,14 @@ def blocks_of(model: nn.Module, qtype: Q = Q.Q4_1) -> dict[str, GGUFTensor]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# qwen2 brings q/k/v biases, qwen3 the per-head q/k norms; heads of 64 take the vector RoPE
+@pytest.mark.parametrize(("arch", "head_dim"), [("llama", 16), ("qwen2", 16), ("qwen3", 16), ("llama", 64)])
 @pytest.mark.parametrize("activations", ["float32", "int16", "int8"])
-def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: str,
+def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: str, head_dim: int,
                                                           activations: qkernels.Activations) -> None:
-    # qwen2 brings q/k/v biases, qwen3 the per-head q/k norms
-    loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, seed=11))
+    heads = 64 // head_dim * 2
+    loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, seed=11, hidden_size=128, num_heads=heads,
+                                                  num_kv_heads=heads // 2))
     modules, native = build_model(loaded), build_model(loaded)
     raw = blocks_of(modules)
     for model in (modules, native):
