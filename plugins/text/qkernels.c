@@ -702,11 +702,31 @@ INLINE void groups(const matmul_t *job, long g0, long g1, int kind) {
 #define LEVELS_1 127.0f   /* one pass */
 #define LEVELS_2 32512.0f /* two passes: 256 * 127 */
 
-/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
-static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
-                          int32_t *qsum, float *xsum) {
+/* Split among the pool's threads when `work` (about the number of float32 values the step
+ * touches, in the units of MIN_WORK_PER_SHARE) is worth it, else run on the calling thread. */
+static void run_elementwise(void (*fn)(const void *arg, long i0, long i1), const void *arg, long count,
+                            long work);
+
+typedef struct {
+    const float *x;
+    long k, mq;
+    int passes;
+    int8_t *xq;
+    float *xs, *xsum;
+    int32_t *qsum;
+} quantize_t;
+
+/* Blocks [i0, i1) of x (block i: row i / (k / 32), its 32 values from column 32 * (i % (k / 32))). */
+static void quantize_blocks(const void *arg, long i0, long i1) {
+    const quantize_t *a = (const quantize_t *)arg;
+    const float *x = a->x;
+    long k = a->k, mq = a->mq;
+    int passes = a->passes;
+    int8_t *xq = a->xq;
+    float *xs = a->xs, *xsum = a->xsum;
+    int32_t *qsum = a->qsum;
     float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
-    for (long i = 0; i < m * (k / QK); i++) {
+    for (long i = i0; i < i1; i++) {
         const float *p = x + i * QK;
         int8_t *q = xq + i * QK, *q2 = q + mq * k; /* the second part (two passes) */
         int32_t sum = 0;
@@ -760,6 +780,13 @@ static void quantize_rows(const float *x, long m, long k, int passes, long mq, i
         qsum[i] = sum;
         xsum[i] = xs[i] * (float)sum;
     }
+}
+
+/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
+static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
+                          int32_t *qsum, float *xsum) {
+    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum};
+    run_elementwise(quantize_blocks, &a, m * (k / QK), m * k);
 }
 
 /* acc after block b of row r: the block's integer sum s (Q8_0: with Q8_OFFSET's offset) through
@@ -1093,14 +1120,21 @@ typedef struct {
     int64_t *out;   /* [rows] */
 } argmax_t;
 
+/* Independent items of an elementwise step (rows, or blocks of a row): fn(arg, i0, i1) runs [i0, i1). */
+typedef struct {
+    void (*fn)(const void *arg, long i0, long i1);
+    const void *arg;
+} items_t;
+
 /* A unit of work for the pool: `count` independent items, split in contiguous ranges. */
 typedef struct {
     int kind; /* 0: matmul (items are groups of 16 output columns), 1: attention (items are (token, kv head)
-               * pairs), 2: argmax (items are rows) */
+               * pairs), 2: argmax (items are rows), 3: an elementwise step (its own items) */
     long count;
     matmul_t mm;
     attention_t at;
     argmax_t am;
+    items_t it;
 } job_t;
 
 
@@ -1515,8 +1549,10 @@ static void run_items(const job_t *job, long i0, long i1) {
         run_columns(&job->mm, i0, i1);
     else if (job->kind == 1)
         attention_items(&job->at, i0, i1);
-    else
+    else if (job->kind == 2)
         for (long r = i0; r < i1; r++) job->am.out[r] = argmax_row(job->am.x + r * job->am.n, job->am.n);
+    else
+        job->it.fn(job->it.arg, i0, i1);
 }
 
 /* ---- a small pool ----
@@ -1647,7 +1683,8 @@ static void run_job(const job_t *job, long work) {
         if (failed) break;
         pool_started++;
     }
-    long chunks = (pool_started + 1) * CHUNKS_PER_SHARE;
+    /* an elementwise step is over in microseconds: two chunks a thread keep its claims few */
+    long chunks = (pool_started + 1) * (job->kind == 3 ? 2 : CHUNKS_PER_SHARE);
     pool_job = *job;
     pool_chunks = chunks < job->count ? chunks : job->count;
     atomic_store_explicit(&pool_done, 0, memory_order_relaxed);
@@ -1663,6 +1700,12 @@ static void run_job(const job_t *job, long work) {
      * for one of this job's (it would run a half-written job). */
     atomic_store_explicit(&pool_ticket, ((uint64_t)seq << 32) | 0xFFFFFFFFu, memory_order_release);
     pthread_mutex_unlock(&pool_use);
+}
+
+static void run_elementwise(void (*fn)(const void *arg, long i0, long i1), const void *arg, long count,
+                            long work) {
+    job_t job = {.kind = 3, .count = count, .it = {fn, arg}};
+    run_job(&job, work);
 }
 
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
@@ -1838,12 +1881,62 @@ static void store_kv(void *cache, long at, const float *x, long n, int half) {
     for (; i < n; i++) out[i] = half_of(x[i]);
 }
 
+/* The decoder's elementwise steps, each over independent rows (run_elementwise splits them). */
+typedef struct {
+    const decoder_t *m;
+    const step_t *s;
+    const layer_t *L;
+    long l;
+    float *x, *h, *qkv, *gu, *act;
+    const float *delta, *norm;
+} rows_t;
+
+/* Rows [r0, r1): x += delta (when given), then h = rms_norm(x) with the weights `norm`. */
+static void add_norm_rows(const void *arg, long r0, long r1) {
+    const rows_t *a = (const rows_t *)arg;
+    long hidden = a->m->hidden;
+    float *x = a->x + r0 * hidden;
+    if (a->delta != NULL) {
+        const float *delta = a->delta + r0 * hidden;
+        for (long i = 0; i < (r1 - r0) * hidden; i++) x[i] = x[i] + delta[i];
+    }
+    rms_norm_rows(x, r1 - r0, hidden, a->norm, a->m->eps, a->h + r0 * hidden);
+}
+
+/* Rows [r0, r1) of qkv: the q/k norms (Qwen3), RoPE on q and k, then k and v into the caches. */
+static void rope_store_rows(const void *arg, long r0, long r1) {
+    const rows_t *a = (const rows_t *)arg;
+    const decoder_t *m = a->m;
+    const step_t *s = a->s;
+    const layer_t *L = a->L;
+    long hq = m->hq, hkv = m->hkv, d = m->d, row = (hq + 2 * hkv) * d;
+    float tmp[d];
+    for (long r = r0; r < r1; r++) {
+        float *q = a->qkv + r * row, *k = q + hq * d, *v = k + hkv * d;
+        if (L->q_norm != NULL) {
+            rms_norm_rows(q, hq, d, L->q_norm, m->eps, q);
+            rms_norm_rows(k, hkv, d, L->k_norm, m->eps, k);
+        }
+        const float *cos = s->rope + r * 2 * d, *sin = cos + d;
+        for (long head = 0; head < hq + hkv; head++) rope_in_place(q + head * d, d, cos, sin, tmp);
+        long slot = (long)s->slot_mapping[r];
+        store_kv(s->k_caches[a->l], slot * hkv * d, k, hkv * d, (int)s->kv_half);
+        store_kv(s->v_caches[a->l], slot * hkv * d, v, hkv * d, (int)s->kv_half);
+    }
+}
+
+static void silu_of_rows(const void *arg, long r0, long r1) {
+    const rows_t *a = (const rows_t *)arg;
+    long inter = a->m->intermediate;
+    silu_rows(a->gu + r0 * 2 * inter, r1 - r0, inter, a->act + r0 * inter);
+}
+
 /* Run every layer over the step's tokens; x [t, hidden] is updated in place. 0, or what failed:
  * -1 without memory. */
 int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
     long t = s->t, hidden = m->hidden, inter = m->intermediate, hq = m->hq, hkv = m->hkv, d = m->d;
     long row = (hq + 2 * hkv) * d;
-    size_t floats = (size_t)t * (size_t)(2 * hidden + row + hq * d + 3 * inter) + (size_t)d;
+    size_t floats = (size_t)t * (size_t)(2 * hidden + row + hq * d + 3 * inter);
     float *buf = (float *)malloc(sizeof(float) * floats);
     long *token_seq = (long *)malloc(sizeof(long) * (size_t)(t > 0 ? t : 1));
     if (buf == NULL || token_seq == NULL) {
@@ -1852,38 +1945,31 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
         return -1;
     }
     float *h = buf, *qkv = h + t * hidden, *att = qkv + t * row, *gu = att + t * hq * d;
-    float *act = gu + t * 2 * inter, *delta = act + t * inter, *tmp = delta + t * hidden;
+    float *act = gu + t * 2 * inter, *delta = act + t * inter;
     long work;
     long max_ctx = plan_attention(s->query_start_loc, s->seq_lens, s->num_seqs, hq, d, token_seq, &work);
     int status = 0;
     for (long l = 0; l < m->num_layers; l++) {
         const layer_t *L = &m->layers[l];
-        rms_norm_rows(x, t, hidden, L->attn_norm, m->eps, h);
+        /* the last layer's residual (its MLP's output, in delta) joins x here */
+        rows_t rows = {m, s, L, l, x, h, qkv, gu, act, l > 0 ? delta : NULL, L->attn_norm};
+        run_elementwise(add_norm_rows, &rows, t, t * hidden);
         if ((status = matmul_rows(&L->qkv, h, t, qkv)) != 0) break;
-        for (long r = 0; r < t; r++) {
-            float *q = qkv + r * row, *k = q + hq * d, *v = k + hkv * d;
-            if (L->q_norm != NULL) {
-                rms_norm_rows(q, hq, d, L->q_norm, m->eps, q);
-                rms_norm_rows(k, hkv, d, L->k_norm, m->eps, k);
-            }
-            const float *cos = s->rope + r * 2 * d, *sin = cos + d;
-            for (long head = 0; head < hq + hkv; head++) rope_in_place(q + head * d, d, cos, sin, tmp);
-            long slot = (long)s->slot_mapping[r];
-            store_kv(s->k_caches[l], slot * hkv * d, k, hkv * d, (int)s->kv_half);
-            store_kv(s->v_caches[l], slot * hkv * d, v, hkv * d, (int)s->kv_half);
-        }
+        run_elementwise(rope_store_rows, &rows, t, t * row);
         job_t job = {.kind = 1, .count = t * hkv};
         job.at = (attention_t){qkv, row, t, hq, hkv, d, s->k_caches[l], s->v_caches[l], (int)s->kv_half, s->block_size,
                                s->block_tables, s->width, s->query_start_loc, s->seq_lens, token_seq, max_ctx,
                                1.0f / sqrtf((float)d), att};
         run_job(&job, work);
         if ((status = matmul_rows(&L->o, att, t, delta)) != 0) break;
-        for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
-        rms_norm_rows(x, t, hidden, L->mlp_norm, m->eps, h);
+        rows.delta = delta;
+        rows.norm = L->mlp_norm;
+        run_elementwise(add_norm_rows, &rows, t, t * hidden);
         if ((status = matmul_rows(&L->gate_up, h, t, gu)) != 0) break;
-        silu_rows(gu, t, inter, act);
+        run_elementwise(silu_of_rows, &rows, t, t * 2 * inter);
         if ((status = matmul_rows(&L->down, act, t, delta)) != 0) break;
-        for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
+        if (l == m->num_layers - 1)
+            for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
     }
     free(buf);
     free(token_seq);

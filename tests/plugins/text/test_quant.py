@@ -337,6 +337,14 @@ def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: 
     assert batched == [greedy_generate(native, p, 10, block_size=4) for p in PROMPTS]
     if activations != "int8":
         assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
+    threads = KERNELS.num_threads
+    try:  # the elementwise steps split over the pool's threads by rows: the same bits
+        for n in (1, 3):
+            KERNELS.set_num_threads(n)
+            assert torch.equal(prefill_logits(native, ids), got)
+            assert greedy_generate_batch(native, PROMPTS, 10, block_size=4) == batched
+    finally:
+        KERNELS.set_num_threads(threads)
 
 
 def _prefill_caches(model: nn.Module, ids: list[int], kv_dtype: torch.dtype,
