@@ -16,8 +16,8 @@
  *
  * Batch invariance: every output element is computed by the same sequence of operations
  * whatever the number of rows in the call, the tiling, or the threads (work is split by groups
- * of output columns, or by attention (token, head) pairs, never inside a sum), so a sequence's
- * result never depends on its batch mates.
+ * of output columns, by attention (token, head) pairs, or by rows and blocks for the elementwise
+ * steps, never inside a sum), so a sequence's result never depends on its batch mates.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -1951,7 +1951,7 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
     int status = 0;
     for (long l = 0; l < m->num_layers; l++) {
         const layer_t *L = &m->layers[l];
-        /* the last layer's residual (its MLP's output, in delta) joins x here */
+        /* the previous layer's MLP output (in delta) joins the residual stream here */
         rows_t rows = {m, s, L, l, x, h, qkv, gu, act, l > 0 ? delta : NULL, L->attn_norm};
         run_elementwise(add_norm_rows, &rows, t, t * hidden);
         if ((status = matmul_rows(&L->qkv, h, t, qkv)) != 0) break;

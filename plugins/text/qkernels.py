@@ -15,9 +15,10 @@
 - ``ifb_decoder_forward`` (see ``native_decoder``): a whole decoder stack per call.
 
 Work is split over a small pool of threads (``set_num_threads``) by groups of
-output columns or (token, head) pairs, never inside a sum, so no result depends on
-the batch or the thread count; the integer paths' results do not depend on the
-instruction set either.
+output columns, (token, head) pairs, or (for the activation codes and the
+decoder's norms, RoPE and SwiGLU, once a step holds enough rows) rows and
+blocks, never inside a sum, so no result depends on the batch or the thread
+count; the integer paths' results do not depend on the instruction set either.
 
 On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows (and
 9 to 15 rows left over, padded with zero rows) get their integer block sums from
