@@ -307,7 +307,7 @@ def sample_step(
     if rows:
         logits = compute_logits(hidden[[t for _, t in rows]])  # [N, V]
         picked = [seqs[i] for i, _ in rows]
-        constrained = [(j, s) for j, s in enumerate(picked) if guided is not None and guided.applies_to(s)]
+        constrained = [] if guided is None else [(j, s) for j, s in enumerate(picked) if guided.applies_to(s)]
         if constrained:
             guided.mask_logits(logits, constrained)
         samples = sample(logits, [s.params for s in picked], [s.all_token_ids for s in picked],
