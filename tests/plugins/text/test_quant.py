@@ -6,6 +6,7 @@ Q4_1 projections, Q8_0 embedding) and loaded through the real loader.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -100,6 +101,16 @@ def test_blocks_dequantize_like_gguf(qtype: Q) -> None:
         assert torch.allclose(block.to_int4pack().dequantize(), ref, atol=1e-6)
 
 
+@contextlib.contextmanager
+def restored_threads(kernels: qkernels.Kernels):
+    """Whatever the block sets, the pool goes back to its thread count after it."""
+    threads = kernels.num_threads
+    try:
+        yield
+    finally:
+        kernels.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
@@ -124,8 +135,7 @@ def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qty
     assert error < {"int8": 1e-2, "int16": 1e-4, "float32": 1e-6}[activations]
     with pytest.raises(ValueError, match="expected 160 input features"):
         linear(x[:, :96])
-    threads = kernels.num_threads
-    try:
+    with restored_threads(kernels):
         for n in (1, 2, 3):
             kernels.set_num_threads(n)
             # every row alone, and windows of rows (float32: few rows unpack the weights in each
@@ -135,8 +145,6 @@ def test_native_matmul_matches_its_reference_on_every_row_whatever_the_batch(qty
             assert all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(45))
             assert all(torch.equal(linear(x[i:i + w]), full[i:i + w])
                        for w in (2, 5, 9, 13, 17, 32, 37) for i in range(0, 45 - w, 3))
-    finally:
-        kernels.set_num_threads(threads)
 
 
 @needs_kernels
@@ -337,14 +345,11 @@ def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: 
     assert batched == [greedy_generate(native, p, 10, block_size=4) for p in PROMPTS]
     if activations != "int8":
         assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4)
-    threads = KERNELS.num_threads
-    try:  # the elementwise steps split over the pool's threads by rows: the same bits
+    with restored_threads(KERNELS):  # the elementwise steps split over the pool's threads by rows: the same bits
         for n in (1, 3):
             KERNELS.set_num_threads(n)
             assert torch.equal(prefill_logits(native, ids), got)
             assert greedy_generate_batch(native, PROMPTS, 10, block_size=4) == batched
-    finally:
-        KERNELS.set_num_threads(threads)
 
 
 def _prefill_caches(model: nn.Module, ids: list[int], kv_dtype: torch.dtype,
