@@ -209,9 +209,9 @@ def render_table(results_dir: Path) -> str:
         + (" — **quick run, not representative**" if machine.get("quick") else "")
         + f". Raw results and plots: `{_shown(results_dir)}/`.",
         "",
-        "| workload | server | output tok/s | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) "
-        "| ITL p50 / p99 (ms) | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | server | output tok/s | before drain | req/s | TTFT p50 / p99 (ms) "
+        "| E2E p50 / p99 (ms) | ITL p50 / p99 (ms) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = {mode.name: i for i, mode in enumerate(MODES)}
     rows = []
@@ -221,11 +221,13 @@ def render_table(results_dir: Path) -> str:
         rows.append((workload, order.get(mode, len(order)), mode, data))
     for workload, _, mode, data in sorted(rows, key=lambda row: row[:2]):
         if "error" in data:
-            lines.append(f"| {workload} | {mode} | failed: {data['error']} | | | | | |")
+            lines.append(f"| {workload} | {mode} | failed: {data['error']} | | | | | | |")
             continue
         s = data["summary"]
+        drain = (s.get("before_drain") or {}).get("output_tokens_per_s")
         lines.append(
-            f"| {workload} | {mode} | {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} "
+            f"| {workload} | {mode} | {s['output_tokens_per_s']:.1f} | {'-' if drain is None else f'{drain:.1f}'} "
+            f"| {s['requests_per_s']:.2f} "
             f"| {_ms(s['ttft_ms'], 'p50')} / {_ms(s['ttft_ms'], 'p99')} "
             f"| {_ms(s['e2e_ms'], 'p50')} / {_ms(s['e2e_ms'], 'p99')} "
             f"| {_ms(s['itl_ms'], 'p50')} / {_ms(s['itl_ms'], 'p99')} | {s['num_errors']} |")

@@ -50,6 +50,29 @@ def throughput_timeline(record: RunRecord, bin_s: float | None = None) -> dict:
     return {"bin_s": bin_s, "tokens_per_s": [c / bin_s for c in counts]}
 
 
+def before_drain(record: RunRecord) -> dict[str, float | None]:
+    """Output tokens/s from the first send until the last request's first token.
+
+    Under an open-loop workload whose arrivals outpace the server, requests wait for a seat
+    all through this window: it is the run at saturation, without the drain at its end, where
+    the last answers finish with fewer and fewer batch mates (a closed loop has no such
+    window: its clients stop sending by themselves). A request's tokens are spread over its
+    chunks, so a chunk that carried several tokens counts for all of them.
+    """
+    ok = [r for r in record.results if r.is_ok and r.chunk_times]
+    if not ok:
+        return {"window_s": None, "output_tokens": None, "output_tokens_per_s": None}
+    start = min(r.send_time for r in record.results)
+    end = max(r.chunk_times[0] for r in ok)
+    tokens = 0.0
+    for r in ok:
+        num_in = sum(1 for t in r.chunk_times if t <= end)
+        tokens += r.output_tokens * num_in / len(r.chunk_times)
+    window = end - start
+    return {"window_s": window, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / window if window > 0 else None}
+
+
 def _nice_bin(span: float) -> float:
     # About 40 bins, rounded to 1/2/5 x 10^k seconds so the axis reads well.
     raw = span / 40
@@ -82,6 +105,7 @@ def summarize(record: RunRecord) -> dict:
         "ttft_ms": latency_summary([r.ttft for r in ok if r.ttft is not None]),
         "e2e_ms": latency_summary([r.e2e for r in ok]),
         "itl_ms": latency_summary(itls),
+        "before_drain": before_drain(record),
     }
 
 
@@ -118,6 +142,10 @@ def format_summary(summary: dict, title: str = "") -> str:
                  f"   output tokens {summary['output_tokens']}")
     lines.append(f"throughput    {num(summary['output_tokens_per_s'])} tok/s"
                  f"   {num(summary['requests_per_s'], '{:.2f}')} req/s")
+    drain = summary["before_drain"]
+    if drain["output_tokens_per_s"] is not None:
+        lines.append(f"before drain  {num(drain['output_tokens_per_s'])} tok/s"
+                     f"   until the last first token, {num(drain['window_s'], '{:.2f}')} s")
     lines.append(f"{'latency (ms)':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}")
     for label, key in (("TTFT", "ttft_ms"), ("E2E", "e2e_ms"), ("ITL", "itl_ms")):
         row = summary[key]

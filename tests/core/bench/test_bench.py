@@ -167,6 +167,30 @@ def test_summarize_known_timings():
     assert summary["itl_ms"]["p50"] == pytest.approx(300.0)  # ITLs 300, 400, 200 ms
     timeline = throughput_timeline(record, bin_s=1.0)
     assert timeline["tokens_per_s"] == [3.0, 2.0]
+    # the last first token is ok_b's at 1.4 s: ok_a's 3 tokens and one of ok_b's 2 chunks came by then
+    drain = summary["before_drain"]
+    assert drain["window_s"] == pytest.approx(1.4)
+    assert drain["output_tokens"] == pytest.approx(4.0)
+    assert drain["output_tokens_per_s"] == pytest.approx(4.0 / 1.4)
+
+
+def test_before_drain_spreads_a_request_s_tokens_over_its_chunks():
+    # 6 tokens in 3 chunks (the server merged pairs): 2 chunks by the last first token are 4 tokens
+    merged = RequestResult(index=0, max_tokens=6, send_time=0.0, end_time=3.0, chunk_times=[0.5, 1.0, 2.5],
+                           usage_tokens=6, status=200)
+    late = RequestResult(index=1, max_tokens=2, send_time=0.5, end_time=2.2, chunk_times=[2.0, 2.1],
+                         usage_tokens=2, status=200)
+    never = RequestResult(index=2, max_tokens=3, send_time=0.2, end_time=9.0, status=200, error="ReadTimeout")
+    record = RunRecord(target=Target("http://x"), model="m", workload=small(), results=(merged, late, never),
+                       wall_time=9.0, started_at=0.0)
+    drain = summarize(record)["before_drain"]
+    assert drain["window_s"] == pytest.approx(2.0)  # a failed request's send still counts, its chunks do not
+    assert drain["output_tokens"] == pytest.approx(4.0 + 1.0)
+    assert drain["output_tokens_per_s"] == pytest.approx(2.5)
+    empty = RunRecord(target=Target("http://x"), model="m", workload=small(), results=(never,),
+                      wall_time=9.0, started_at=0.0)
+    assert summarize(empty)["before_drain"] == {"window_s": None, "output_tokens": None,
+                                                "output_tokens_per_s": None}
 
 
 # ---- workloads ----
