@@ -55,9 +55,10 @@ def before_drain(record: RunRecord) -> dict[str, float | None]:
 
     Under an open-loop workload whose arrivals outpace the server, requests wait for a seat
     all through this window: it is the run at saturation, without the drain at its end, where
-    the last answers finish with fewer and fewer batch mates (a closed loop has no such
-    window: its clients stop sending by themselves). A request's tokens are spread over its
-    chunks, so a chunk that carried several tokens counts for all of them.
+    the last answers finish with fewer and fewer batch mates. The window starts at the first
+    send, so it includes the ramp-up before a queue forms; on a closed loop it only cuts the
+    run short. A request's tokens are spread over its chunks, so a chunk that carried several
+    tokens counts for all of them.
     """
     ok = [r for r in record.results if r.is_ok and r.chunk_times]
     if not ok:
