@@ -197,6 +197,7 @@ INLINE vec load_bias(const float *bias, long valid) {
 }
 
 INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+INLINE vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
 INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 
@@ -315,6 +316,10 @@ INLINE vec load_bias(const float *bias, long valid) {
 
 INLINE vec vadd(vec a, vec b) {
     vec r = {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)};
+    return r;
+}
+INLINE vec vmul(vec a, vec b) {
+    vec r = {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)};
     return r;
 }
 INLINE vec vload(const float *p) {
@@ -440,6 +445,10 @@ INLINE vec load_bias(const float *bias, long valid) {
 
 INLINE vec vadd(vec a, vec b) {
     for (int c = 0; c < GROUP; c++) a.v[c] += b.v[c];
+    return a;
+}
+INLINE vec vmul(vec a, vec b) {
+    for (int c = 0; c < GROUP; c++) a.v[c] *= b.v[c];
     return a;
 }
 INLINE vec vload(const float *p) {
@@ -1843,21 +1852,11 @@ static void rms_norm_rows(const float *x, long rows, long dim, const float *w, f
 /* x = x * cos + swap_halves(x) * signed_sin, as model.py's _apply_rope_signed computes it. */
 static void rope_in_place(float *x, long d, const float *cos, const float *sin, float *tmp) {
     long half = d / 2, i = 0;
-#if IFB_ISA == 512
-    if (half % 16 == 0) /* a vector's partners are a vector too */
-        for (; i < d; i += 16) {
+    if (half % GROUP == 0) /* a vector's partners are a vector too */
+        for (; i < d; i += GROUP) {
             const float *partner = x + (i < half ? i + half : i - half);
-            _mm512_storeu_ps(tmp + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(cos + i)),
-                                                    _mm512_mul_ps(_mm512_loadu_ps(partner), _mm512_loadu_ps(sin + i))));
+            vstore(tmp + i, vadd(vmul(vload(x + i), vload(cos + i)), vmul(vload(partner), vload(sin + i))));
         }
-#elif IFB_ISA == 256
-    if (half % 8 == 0)
-        for (; i < d; i += 8) {
-            const float *partner = x + (i < half ? i + half : i - half);
-            _mm256_storeu_ps(tmp + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(cos + i)),
-                                                    _mm256_mul_ps(_mm256_loadu_ps(partner), _mm256_loadu_ps(sin + i))));
-        }
-#endif
     for (; i < d; i++) tmp[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
     for (i = 0; i < d; i++) x[i] = tmp[i];
 }
