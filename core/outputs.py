@@ -122,17 +122,14 @@ class RequestHandle:
                     self._queue.put(_END)
                 return
         loop, aq = target
-        if deliveries is not None:
-            deliveries.add(loop, aq, output)
-            if output.finished:
-                deliveries.add(loop, aq, _END)
-            return
-        try:
-            loop.call_soon_threadsafe(aq.put_nowait, output)
-            if output.finished:
-                loop.call_soon_threadsafe(aq.put_nowait, _END)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-            pass
+        now = deliveries is None  # no step is collecting outputs: hand this one over by itself
+        if now:
+            deliveries = Deliveries()
+        deliveries.add(loop, aq, output)
+        if output.finished:
+            deliveries.add(loop, aq, _END)
+        if now:
+            deliveries.flush()
 
     # -- consumer side --
     def cancel(self) -> None:
