@@ -10,7 +10,7 @@ from __future__ import annotations
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, OptionSupport, Support
 from ifb.options import BLOCKING
-from ifb_plugins.text import TEXT_ENDPOINTS
+from ifb_plugins.common.caps import TEXT_ENDPOINTS
 
 #: seats are allocated per deployment (--max-batch-size); this bounds what may be asked
 MAX_BUILT_BATCH = 256
@@ -22,7 +22,7 @@ PREFIX_REUSE_NOTE = ("prefix reuse needs a checkpoint of the recurrent (conv and
 def mamba_options() -> dict[str, OptionSupport]:
     """Per-request option support of the hybrid runtime under in-flight batching."""
     return {
-        # every row of a step samples with its own parameters (ifb_plugins.text.sampling)
+        # every row of a step samples with its own parameters (ifb_plugins.common.sampling)
         "differing_sampling": OptionSupport(Support.SERVED, reason="Sampling is per sequence."),
         "n_sequences": OptionSupport(
             Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),

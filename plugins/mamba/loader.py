@@ -10,8 +10,8 @@ import torch
 
 from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.model import HybridModel
-from ifb_plugins.text.hf_loader import load_hf_state_dict
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.hf_loader import load_hf_state_dict
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 
 @attrs.frozen

@@ -20,8 +20,8 @@ from ifb_plugins.mamba.config import ATTENTION, MAMBA, HybridConfig
 from ifb_plugins.mamba.layout import StepLayout
 from ifb_plugins.mamba.numerics import silu, token_linear
 from ifb_plugins.mamba.ssm import causal_conv, chunk_scan, selective_state_update
-from ifb_plugins.text.attention import write_kv
-from ifb_plugins.text.model import RMSNorm
+from ifb_plugins.common.attention import write_kv
+from ifb_plugins.common.model import RMSNorm
 
 
 @attrs.define

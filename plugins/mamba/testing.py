@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ifb_plugins.text.testing import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from ifb_plugins.common.testing import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
 
 
 def tiny_hybrid_config(pattern: str = "M-M*-M-", *, vocab_size: int = 320, hidden_size: int = 64,

@@ -23,7 +23,7 @@ from ifb.capabilities import (
 )
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
-from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 
 #: extras key: speak the prompt as given instead of answering it (what /v1/audio/speech asks)
 SPEAK_PROMPT = "speak_prompt"

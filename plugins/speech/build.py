@@ -8,7 +8,7 @@ from pathlib import Path
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb_plugins.speech.loader import SpeechCheckpoint, build_code2wav, build_talker, build_thinker, read_checkpoint
 from ifb_plugins.speech.runtime import OmniRuntime, Speaker, TtsRuntime
-from ifb_plugins.text.lora import LoraSet
+from ifb_plugins.common.lora import LoraSet
 
 log = logging.getLogger("ifb.speech")
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ifb_plugins.text.config import TextModelConfig
+from ifb_plugins.common.config import TextModelConfig
 
 #: every sample rate the decoder produces (the Qwen3-Omni / Qwen3-TTS rate)
 SAMPLE_RATE = 24000

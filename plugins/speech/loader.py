@@ -21,10 +21,10 @@ from torch import nn
 from ifb_plugins.speech.code2wav import Code2Wav
 from ifb_plugins.speech.config import SpeechConfig
 from ifb_plugins.speech.talker import Talker
-from ifb_plugins.text.hf_loader import safetensors_files
-from ifb_plugins.text.loader import LoadedCheckpoint, build_model
-from ifb_plugins.text.model import TextModel, rope_inv_freq
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.hf_loader import safetensors_files
+from ifb_plugins.common.loader import LoadedCheckpoint, build_model
+from ifb_plugins.common.model import TextModel, rope_inv_freq
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 PARTS = ("thinker", "talker", "code2wav")
 

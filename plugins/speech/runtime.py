@@ -29,9 +29,9 @@ from ifb_plugins.speech.audio import AudioSettings
 from ifb_plugins.speech.code2wav import Code2Wav
 from ifb_plugins.speech.config import SpeechConfig
 from ifb_plugins.speech.talker import Talker
-from ifb_plugins.text.attention import build_attn_metadata
-from ifb_plugins.text.runtime import KV_BLOCK_SIZE, TextRuntime
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 #: the longest text (in tokens) a TTS request may ask to speak; long text is spoken in segments
 MAX_TTS_INPUT_TOKENS = 4096

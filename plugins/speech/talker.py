@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ifb_plugins.speech.config import TalkerConfig
-from ifb_plugins.text.attention import build_attn_metadata
-from ifb_plugins.text.model import TextModel, allocate_kv_cache
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.model import TextModel, allocate_kv_cache
 
 #: tokens per block of the Talker's private KV cache (allocated per segment, freed after)
 TALKER_BLOCK_SIZE = 16

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ifb_plugins.speech.code2wav import Code2Wav
 from ifb_plugins.speech.config import Code2WavConfig, TalkerConfig
 from ifb_plugins.speech.talker import Talker
-from ifb_plugins.text.testing import save_tiny_checkpoint
+from ifb_plugins.common.testing import save_tiny_checkpoint
 
 TINY_TALKER = {
     "codebook_size": 64,

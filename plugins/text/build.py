@@ -10,10 +10,10 @@ import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb_plugins.text.loader import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.text.lora import LoraSet
-from ifb_plugins.text.model import TextModel
-from ifb_plugins.text.runtime import TextRuntime
+from ifb_plugins.common.loader import LoadedCheckpoint, build_model, load_checkpoint
+from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.model import TextModel
+from ifb_plugins.common.runtime import TextRuntime
 
 log = logging.getLogger("ifb.text")
 
@@ -65,9 +65,9 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
     if has_lora:
         return PreparedModel("float32 (LoRA adapters registered)")
     if mode != "none" and loaded.source == "gguf":
-        from ifb_plugins.text import qkernels, quant
-        from ifb_plugins.text.gguf_loader import read_gguf_tensors
-        from ifb_plugins.text.native_decoder import use_native_decoder
+        from ifb_plugins.common import qkernels, quant
+        from ifb_plugins.common.gguf_loader import read_gguf_tensors
+        from ifb_plugins.common.native_decoder import use_native_decoder
 
         report = quant.quantize_model(model, read_gguf_tensors(loaded.path), activations=_ACTIVATIONS[mode])
         kernels = qkernels.load() if report.backend == "native" and report.num_quantized else None

@@ -16,7 +16,7 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.text import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 
 log = logging.getLogger("ifb.vlm")
 
@@ -64,7 +64,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.text.lora import LoraSet
+    from ifb_plugins.common.lora import LoraSet
     from ifb_plugins.vlm.loader import load_vlm_checkpoint
     from ifb_plugins.vlm.runtime import VlmRuntime
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ifb_plugins.text.config import TextModelConfig
+from ifb_plugins.common.config import TextModelConfig
 
 
 def _required(cfg: Mapping[str, Any], key: str, where: str) -> Any:

@@ -14,10 +14,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from ifb_plugins.text.hf_loader import load_hf_state_dict
-from ifb_plugins.text.loader import LoadedCheckpoint, build_model
-from ifb_plugins.text.model import TextModel
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.hf_loader import load_hf_state_dict
+from ifb_plugins.common.loader import LoadedCheckpoint, build_model
+from ifb_plugins.common.model import TextModel
+from ifb_plugins.common.tokenizer import TextTokenizer
 from ifb_plugins.vlm.config import VlmConfig
 from ifb_plugins.vlm.encoders import MediaModel
 

@@ -22,8 +22,8 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
-from ifb_plugins.text.lora import LoraSet
-from ifb_plugins.text.runtime import TextRuntime
+from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.runtime import TextRuntime
 from ifb_plugins.vlm.encoders import MediaModel
 from ifb_plugins.vlm.loader import LoadedVlm
 from ifb_plugins.vlm.media import MediaItem, parse_messages

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
-from ifb_plugins.text.config import TextModelConfig
-from ifb_plugins.text.testing import save_tiny_checkpoint
+from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.testing import save_tiny_checkpoint
 from ifb_plugins.vlm.config import AudioConfig, VisionConfig, VlmConfig
 from ifb_plugins.vlm.encoders import MediaModel
 
@@ -57,7 +57,7 @@ def _random_media_weights(config: VlmConfig, seed: int) -> dict[str, torch.Tenso
 def save_tiny_vlm_checkpoint(directory: str | Path, seed: int = 0, *, with_audio: bool = True) -> Path:
     """Write a tiny random-weight LLaVA-style checkpoint (vision, audio, Llama text model); returns the dir.
 
-    The text part and its tokenizer come from ``ifb_plugins.text.testing``;
+    The text part and its tokenizer come from ``ifb_plugins.common.testing``;
     ``<image>`` and ``<audio>`` are added as special tokens. A 32x32 image
     becomes 16 visual tokens; audio gives one token per 20 ms.
     """

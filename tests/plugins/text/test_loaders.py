@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from ifb_plugins.text.attention import build_attn_metadata
-from ifb_plugins.text.config import TextModelConfig
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.text.default_model import ModelResolutionError, resolve_model
-from ifb_plugins.text.gguf_loader import read_gguf_tensors
-from ifb_plugins.text.loader import build_model, load_checkpoint
-from ifb_plugins.text.model import TextModel, allocate_kv_cache, rope_inv_freq
-from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.gguf_loader import read_gguf_tensors
+from ifb_plugins.common.loader import build_model, load_checkpoint
+from ifb_plugins.common.model import TextModel, allocate_kv_cache, rope_inv_freq
+from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 
 LLAMA3_SCALING = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -19,14 +19,14 @@ from torch import nn
 from ifb import LLM, SamplingParams
 from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
-from ifb_plugins.text import qkernels, quant, quant_torch
-from ifb_plugins.text.attention import build_attn_metadata, paged_attention
+from ifb_plugins.common import qkernels, quant, quant_torch
+from ifb_plugins.common.attention import build_attn_metadata, paged_attention
 from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, prepare_model, quantization_mode
-from ifb_plugins.text.gguf_loader import GGUFTensor, read_gguf_tensors
-from ifb_plugins.text.loader import build_model, load_checkpoint
-from ifb_plugins.text.model import allocate_kv_cache
-from ifb_plugins.text.native_decoder import NativeDecoder, use_native_decoder
-from ifb_plugins.text.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.gguf_loader import GGUFTensor, read_gguf_tensors
+from ifb_plugins.common.loader import build_model, load_checkpoint
+from ifb_plugins.common.model import allocate_kv_cache
+from ifb_plugins.common.native_decoder import NativeDecoder, use_native_decoder
+from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.helpers import submit_staggered
 from tests.plugins.text.test_loaders import prefill_logits
 

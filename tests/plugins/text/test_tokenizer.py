@@ -10,9 +10,9 @@ import pytest
 
 from ifb.runtime import Tokenizer
 from ifb_plugins.text.default_model import resolve_model
-from ifb_plugins.text.gguf_loader import read_metadata
-from ifb_plugins.text.testing import save_tiny_checkpoint
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.gguf_loader import read_metadata
+from ifb_plugins.common.testing import save_tiny_checkpoint
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 MULTIBYTE = "naïve café, 日本語のテキスト, Ελληνικά 🙂🚀"
 

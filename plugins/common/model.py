@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.text import triton_kernels
-from ifb_plugins.text.attention import AttnMetadata, paged_attention, write_kv
-from ifb_plugins.text.config import TextModelConfig
+from ifb_plugins.common import triton_kernels
+from ifb_plugins.common.attention import AttnMetadata, paged_attention, write_kv
+from ifb_plugins.common.config import TextModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

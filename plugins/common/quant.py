@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ifb_plugins.text import qkernels, quant_torch
-from ifb_plugins.text.gguf_loader import GGUFTensor
+from ifb_plugins.common import qkernels, quant_torch
+from ifb_plugins.common.gguf_loader import GGUFTensor
 
 log = logging.getLogger("ifb.text")
 

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from ifb_plugins.text.config import TextModelConfig
+from ifb_plugins.common.config import TextModelConfig
 
 #: ``general.architecture`` values this loader understands.
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")

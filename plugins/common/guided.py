@@ -31,7 +31,7 @@ import torch
 
 from ifb.params import InvalidRequest
 from ifb.runtime import ScheduledSeq
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 __all__ = ["GUIDED_GRAMMAR", "GuidedDecoder", "GuidedGrammar", "GuidedStats", "grammar_for"]
 

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ifb_plugins.text.attention import build_attn_metadata
-from ifb_plugins.text.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
-from ifb_plugins.text.model import TextModel, allocate_kv_cache
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from ifb_plugins.common.model import TextModel, allocate_kv_cache
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

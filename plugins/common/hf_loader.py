@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ifb_plugins.text.config import TextModelConfig
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

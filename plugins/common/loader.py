@@ -8,11 +8,11 @@ from typing import Literal
 import attrs
 import torch
 
-from ifb_plugins.text.config import TextModelConfig
-from ifb_plugins.text.gguf_loader import load_gguf
-from ifb_plugins.text.hf_loader import load_hf_dir
-from ifb_plugins.text.model import TextModel, rope_inv_freq
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.gguf_loader import load_gguf
+from ifb_plugins.common.hf_loader import load_hf_dir
+from ifb_plugins.common.model import TextModel, rope_inv_freq
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 
 @attrs.frozen

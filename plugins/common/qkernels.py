@@ -51,7 +51,7 @@ from typing import Literal
 import platformdirs
 import torch
 
-from ifb_plugins.text.attention import AttnMetadata
+from ifb_plugins.common.attention import AttnMetadata
 
 log = logging.getLogger("ifb.text")
 
@@ -236,7 +236,7 @@ def load(march: str | None = None) -> Kernels | None:
 @functools.cache
 def _load(march: str) -> Kernels | None:
     try:
-        source = resources.files("ifb_plugins.text").joinpath(SOURCE_NAME).read_bytes()
+        source = resources.files("ifb_plugins.common").joinpath(SOURCE_NAME).read_bytes()
     except OSError as exc:
         log.warning("native GGUF kernels unavailable: %s is missing (%s)", SOURCE_NAME, exc)
         return None

@@ -30,7 +30,7 @@ from ifb.params import SamplingParams
 from ifb.runtime import ScheduledSeq, SeqOutput, StepOutput
 
 if TYPE_CHECKING:
-    from ifb_plugins.text.guided import GuidedDecoder
+    from ifb_plugins.common.guided import GuidedDecoder
 
 __all__ = ["SeqSample", "sample", "sample_step"]
 

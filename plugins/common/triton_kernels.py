@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ifb_plugins.text.attention import AttnMetadata
+    from ifb_plugins.common.attention import AttnMetadata
 
 try:
     import triton

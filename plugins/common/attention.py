@@ -16,7 +16,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ifb_plugins.text import triton_kernels
+from ifb_plugins.common import triton_kernels
 
 
 @attrs.frozen(eq=False)  # tensors inside: identity, not elementwise, comparison

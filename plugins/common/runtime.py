@@ -19,14 +19,14 @@ from ifb.kv import BlockManager
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, StepOutput
-from ifb_plugins.text.attention import build_attn_metadata
-from ifb_plugins.text.guided import GUIDED_GRAMMAR, GuidedDecoder
-from ifb_plugins.text.lora import LoraSet
-from ifb_plugins.text.model import TextModel, allocate_kv_cache
-from ifb_plugins.text.prompt import prompt_token_ids, render_chat
-from ifb_plugins.text.sampling import sample_step
-from ifb_plugins.text.syscache import SystemPromptCache
-from ifb_plugins.text.tokenizer import TextTokenizer
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.guided import GUIDED_GRAMMAR, GuidedDecoder
+from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.model import TextModel, allocate_kv_cache
+from ifb_plugins.common.prompt import prompt_token_ids, render_chat
+from ifb_plugins.common.sampling import sample_step
+from ifb_plugins.common.syscache import SystemPromptCache
+from ifb_plugins.common.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.text")
 

@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ifb_plugins.text.attention import AttnMetadata
-from ifb_plugins.text.qkernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata
-from ifb_plugins.text.quant import BlockLinear
+from ifb_plugins.common.attention import AttnMetadata
+from ifb_plugins.common.qkernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata
+from ifb_plugins.common.quant import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
