@@ -6,6 +6,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -14,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ifb.plugins import PluginHost, default_host
 from ifb.server.errors import ApiError, api_error_response, handle_api_error, handle_http_exception, \
     handle_unexpected
+from ifb.server.guard import Guard, GuardConfig
 from ifb.server.metrics import ServerMetrics
 from ifb.server.openai_routes import app_state, openai_routes
 from ifb.server.state import AppState
@@ -61,15 +63,22 @@ def _plugin_routes(host: PluginHost, state: AppState) -> list[BaseRoute]:
     return routes
 
 
+def _json_paths(routes: list[BaseRoute]) -> frozenset[str]:
+    return frozenset(r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ()))
+
+
 def build_app(deployment, *, api_key: str | None = None, model_name: str | None = None,
-              host: PluginHost | None = None) -> Starlette:
+              host: PluginHost | None = None, guard: GuardConfig | None = None) -> Starlette:
     """The server for one loaded ``Deployment``.
 
     ``model_name`` is the name ``/v1/models`` lists and requests may use
     (default: the runtime's). With ``api_key`` every route but ``/health``
     requires ``Authorization: Bearer <api_key>``. Plugins add routes through
-    the ``ifb_http_routes`` hook, which receives the ``AppState``.
+    the ``ifb_http_routes`` hook, which receives the ``AppState``. ``guard``
+    bounds bodies and keeps other sites out (default: loopback ``Host`` names
+    only, no foreign ``Origin``, 16 MiB bodies); POST routes take JSON only.
     """
+    guard = guard or GuardConfig()
     name = model_name or deployment.runtime.model_name
     state = AppState(deployment=deployment, model_name=name, metrics=ServerMetrics(deployment.engine, name),
                      api_key=api_key)
@@ -87,5 +96,10 @@ def build_app(deployment, *, api_key: str | None = None, model_name: str | None 
                             Exception: handle_unexpected},
     )
     app.state.ifb = state
+    # the last added runs first: CORS answers preflights, the guard refuses before auth is asked
     app.add_middleware(BearerAuth, state=state)
+    app.add_middleware(Guard, config=guard, json_paths=_json_paths([*routes, *extra]))
+    if guard.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

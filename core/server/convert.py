@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from ifb.params import RequestSpec, SamplingParams
+from ifb.server import tools
 from ifb.server.errors import ApiError
 from ifb.server.schemas import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, ResponseFormat, Stop, converter,
 )
 
 #: chat roles the templates know; ``developer`` is OpenAI's newer name for ``system``
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MODALITIES = ("text", "audio")
 
 
@@ -85,8 +86,8 @@ def _response_format(fmt: ResponseFormat | None) -> dict | None:
 def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestSpec:
     """The engine request for a ``/v1/completions`` body."""
     _common_checks(body)
-    if body.echo:
-        raise _refuse("echo", "echo is not supported by this server")
+    if body.echo and body.logprobs is not None:
+        raise _refuse("echo", "echo with logprobs is not supported: this server does not score prompt tokens")
     if body.suffix:
         raise _refuse("suffix", "suffix (insertion) is not supported by this server")
     if body.best_of is not None and body.best_of != body.n:
@@ -115,13 +116,21 @@ def _prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
     return None, tuple(prompt)
 
 
-def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any]) -> RequestSpec:
-    """The engine request for a ``/v1/chat/completions`` body."""
+def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any], *, template: str | None = None,
+              takes_media: bool = True) -> RequestSpec:
+    """The engine request for a ``/v1/chat/completions`` body (``chat_request`` without the plan)."""
+    return chat_request(body, extras, template=template, takes_media=takes_media)[0]
+
+
+def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, template: str | None = None,
+                 takes_media: bool = True) -> tuple[RequestSpec, tools.ToolPlan | None]:
+    """The engine request for a ``/v1/chat/completions`` body, and its tool plan (None: no tools).
+
+    ``template`` is the loaded chat template (it decides how tools are rendered
+    and parsed); ``takes_media`` whether the deployment reads image or audio parts.
+    """
     _common_checks(body)
-    if body.tools:
-        raise _refuse("tools", "tool calling is not supported by this server")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise _refuse("tool_choice", "tool calling is not supported by this server")
+    plan = _tool_plan(body, template)
     if body.top_logprobs is not None:
         if not body.logprobs and body.top_logprobs > 0:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -140,25 +149,69 @@ def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any]) -> RequestSpe
             extras["audio"] = {k: v for k, v in converter.unstructure(body.audio).items() if v is not None}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return RequestSpec(
-        messages=tuple(_message(m, i) for i, m in enumerate(body.messages)),
+    messages = [_message(m, i, takes_media) for i, m in enumerate(body.messages)]
+    if plan is not None:
+        grammar = tools.forcing_grammar(plan)
+        if grammar is not None:
+            if guided is not None:
+                raise ApiError(400, "tool_choice required or a named function cannot be combined with "
+                                    "response_format", param="response_format")
+            extras["response_format"] = {"type": "grammar", "grammar": grammar}
+        if plan.in_template:
+            extras["tools"] = [converter.unstructure(t) for t in plan.tools]
+    if plan is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        messages = tools.render_messages(messages, plan)
+    spec = RequestSpec(
+        messages=tuple(messages),
         params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
         stream=body.stream, extras=extras,
     )
+    return spec, plan
 
 
-def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+def _tool_plan(body: ChatCompletionRequest, template: str | None) -> tools.ToolPlan | None:
+    tool_list = None
+    if body.tools is not None:
+        for i, tool in enumerate(body.tools):
+            if tool.type != "function":
+                raise ApiError(400, f"unknown tool type {tool.type!r} (only function)", param=f"tools[{i}].type")
+            if not tool.function.name:
+                raise ApiError(400, "a function needs a name", param=f"tools[{i}].function.name")
+        tool_list = [{k: v for k, v in converter.unstructure(t).items() if v is not None} for t in body.tools]
+        for t in tool_list:
+            t["function"] = {k: v for k, v in t["function"].items() if v is not None}
+    choice: Any = body.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise ApiError(400, f"unknown tool_choice {choice!r} (none, auto, required or a named function)",
+                       param="tool_choice")
+    if choice is not None and not isinstance(choice, str):
+        if choice.type != "function":
+            raise ApiError(400, f"unknown tool_choice type {choice.type!r} (function)", param="tool_choice.type")
+        choice = {"type": "function", "function": {"name": choice.function.name}}
+    return tools.plan(tool_list, choice, body.parallel_tool_calls, template)
+
+
+def _message(message: ChatMessage, index: int, takes_media: bool) -> dict[str, Any]:
     role = _ROLES.get(message.role)
     if role is None:
-        raise ApiError(400, f"unsupported role {message.role!r} (system, developer, user or assistant)",
+        raise ApiError(400, f"unsupported role {message.role!r} (system, developer, user, assistant or tool)",
                        param=f"messages[{index}].role")
-    out: dict[str, Any] = {"role": role, "content": _content(message.content, index)}
+    if message.content is None and not (role == "assistant" and message.tool_calls):
+        raise ApiError(400, f"messages[{index}].content is null: a {message.role} message needs content "
+                            "(a string or a list of parts)", param=f"messages[{index}].content")
+    if message.tool_calls and role != "assistant":
+        raise ApiError(400, "only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls")
+    out: dict[str, Any] = {"role": role, "content": _content(message.content, index, takes_media)}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [converter.unstructure(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
-def _content(content: Any, index: int) -> Any:
+def _content(content: Any, index: int, takes_media: bool = True) -> Any:
     """Text parts are joined into one string; media parts stay as OpenAI-shaped dicts for the plugin."""
     if content is None or isinstance(content, str):
         return content
@@ -171,6 +224,10 @@ def _content(content: Any, index: int) -> Any:
                            param=f"{where}.type")
         if getattr(part, field) is None:
             raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
+        if field != "text" and not takes_media:
+            raise ApiError(400, f"this model reads text only, and {where} is an {part.type} part; serve a "
+                                "vision or audio model (--plugin vlm) to send media",
+                           param=where, code="unsupported_content")
         parts.append({"type": part.type, field: converter.unstructure(getattr(part, field))})
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)

@@ -9,8 +9,11 @@ from starlette.responses import JSONResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -41,8 +44,12 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 
 
 def api_error_response(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+    if error.status == 413 or error.status >= 500:
+        # the rest of the body is unread (413) or the connection's state is unknown (5xx): the
+        # client must open a new connection rather than find this one reset
+        headers["Connection"] = "close"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
 
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ inside the engine.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -21,12 +22,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ifb.outputs import RequestHandle, RequestOutput
-from ifb.server.convert import chat_spec, completion_spec
+from ifb.server.convert import chat_request, completion_spec
 from ifb.server.errors import ApiError
 from ifb.server.metrics import RequestTimer
 from ifb.server.render import ChatRenderer, Collected, CompletionRenderer, Renderer
 from ifb.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from ifb.server.state import AppState
+from ifb.server.tools import ToolPlan
 
 T = TypeVar("T")
 
@@ -115,31 +117,52 @@ class _Kind:
     endpoint: str
     path: str
     schema: type
-    to_spec: Callable
     id_prefix: str
 
 
-COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, completion_spec, "cmpl")
-CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, chat_spec, "chatcmpl")
+COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, "cmpl")
+CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl")
 
 
-def _renderer(kind: _Kind, body: Any, state: AppState, n: int) -> Renderer:
+def _renderer(kind: _Kind, body: Any, state: AppState, n: int, tools: ToolPlan | None,
+              echo: str | None) -> Renderer:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, state.created)
+    args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, int(time.time()))
+    common = dict(num_choices=n, include_usage=include_usage, system_fingerprint=state.system_fingerprint)
     if kind is CHAT:
-        return ChatRenderer(*args, num_choices=n, include_usage=include_usage, wants_logprobs=body.logprobs)
-    return CompletionRenderer(*args, num_choices=n, include_usage=include_usage)
+        return ChatRenderer(*args, wants_logprobs=body.logprobs, tools=tools, **common)
+    return CompletionRenderer(*args, echo=echo, **common)
+
+
+def _echo_text(state: AppState, body: Any, spec: Any) -> str | None:
+    if not getattr(body, "echo", False):
+        return None
+    if spec.prompt is not None:
+        return spec.prompt
+    return state.runtime.tokenizer.decode(list(spec.prompt_token_ids), skip_special_tokens=False)
+
+
+async def read_body(request: Request, schema: type) -> Any:
+    """The request's JSON body as ``schema`` (400 naming the field; 413 past the size limit)."""
+    return parse_body(await request.body(), schema)
 
 
 async def _generate(request: Request, kind: _Kind) -> Response:
     state = app_state(request)
     state.require_endpoint(kind.endpoint, kind.path)
-    body = parse_body(await request.body(), kind.schema)
-    spec = kind.to_spec(body, state.model_extras(body.model))
+    body = await read_body(request, kind.schema)
+    extras = state.model_extras(body.model)
+    tools = None
+    if kind is CHAT:
+        spec, tools = chat_request(body, extras, template=state.chat_template, takes_media=state.takes_media)
+    else:
+        spec = completion_spec(body, extras)
+    echo = _echo_text(state, body, spec)
     timer = state.metrics.timer()
     handle = await state.submit(spec)
     try:
-        return await _answer(request, kind, body, state, handle, timer, spec.params.n)
+        renderer = _renderer(kind, body, state, spec.params.n, tools, echo)
+        return await _answer(request, body, renderer, handle, timer)
     except BaseException:
         # an error answer, or the server stopping: nobody will read this request any more
         if not handle.done.is_set():
@@ -148,8 +171,8 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         raise
 
 
-async def _answer(request: Request, kind: _Kind, body: Any, state: AppState, handle: RequestHandle,
-                  timer: RequestTimer, n: int) -> Response:
+async def _answer(request: Request, body: Any, renderer: Renderer, handle: RequestHandle,
+                  timer: RequestTimer) -> Response:
     outputs = handle.__aiter__()
     try:
         present, first = await until_disconnect(request, handle, outputs.__anext__)
@@ -161,7 +184,6 @@ async def _answer(request: Request, kind: _Kind, body: Any, state: AppState, han
     timer.observe(first)
     if first.finish_reason == "error":
         raise _failure(first)
-    renderer = _renderer(kind, body, state, n)
     if body.stream:
         return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
     return await _complete(request, renderer, first, outputs, handle, timer)
@@ -202,8 +224,7 @@ async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterat
                 yield _sse(_failure(out).body())
                 handle.cancel()
                 break
-            chunk = renderer.delta(out, collected.add(out))
-            if chunk is not None:
+            for chunk in renderer.delta(out, collected.add(out)):
                 yield _sse(chunk)
             if out.finished:
                 if renderer.include_usage:
@@ -225,8 +246,7 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, CHAT)
 
 
-async def list_models(request: Request) -> Response:
-    state = app_state(request)
+def _model_cards(state: AppState) -> list[dict[str, Any]]:
     declared = state.deployment.caps.endpoints or ("completions", "chat.completions")
     served = [name for name in declared if state.serves_endpoint(name)]
     capabilities = {
@@ -235,18 +255,38 @@ async def list_models(request: Request) -> Response:
         "endpoints": served,
         "request_options": state.option_statuses(),
     }
-    base = {"object": "model", "created": state.created, "owned_by": "ifb"}
+    base = {"object": "model", "created": state.created, "owned_by": "ifb",
+            "max_model_len": state.runtime.max_model_len}
     data = [{"id": state.model_name, **base, "root": state.model_name, "parent": None,
              "plugin": state.deployment.kind.plugin, "capabilities": capabilities}]
     for name in state.lora_names:
         data.append({"id": name, **base, "root": name, "parent": state.model_name,
                      "plugin": state.deployment.kind.plugin, "capabilities": capabilities})
-    return JSONResponse({"object": "list", "data": data})
+    return data
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": _model_cards(app_state(request))})
+
+
+async def retrieve_model(request: Request) -> Response:
+    state = app_state(request)
+    model = request.path_params["model"]
+    for card in _model_cards(state):
+        if card["id"] == model:
+            return JSONResponse(card)
+    served = ", ".join(card["id"] for card in _model_cards(state))
+    raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
+                   code="model_not_found")
 
 
 def openai_routes() -> list[Route]:
+    from ifb.server.tokenize_routes import tokenize_routes
+
     return [
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *tokenize_routes(),
     ]

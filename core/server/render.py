@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from ifb.outputs import RequestOutput, TokenLogprob
+from ifb.server.tools import ToolPlan, ToolStream, parse
 
 
 @attrs.define
@@ -33,7 +34,9 @@ class Collected:
         seq = self.seqs.setdefault(out.index, Sequence(out.index))
         seq.texts.append(out.text)
         seq.logprobs.extend(out.logprobs)
-        seq.num_output_tokens = max(seq.num_output_tokens, out.num_output_tokens)
+        # the last output's count is the request's (the tokens of a stop string are not counted)
+        seq.num_output_tokens = out.num_output_tokens if out.finished else max(seq.num_output_tokens,
+                                                                               out.num_output_tokens)
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
         if out.extras:
@@ -62,16 +65,18 @@ class Renderer:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, response_id: str, model: str, created: int, *, num_choices: int, include_usage: bool):
+    def __init__(self, response_id: str, model: str, created: int, *, num_choices: int, include_usage: bool,
+                 system_fingerprint: str | None = None):
         self.response_id = response_id
         self.model = model
         self.created = created
         self.num_choices = num_choices
         self.include_usage = include_usage
+        self.system_fingerprint = system_fingerprint
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices}
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
 
     def chunk(self, choices: list[dict]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, choices)
@@ -88,7 +93,8 @@ class Renderer:
         """Chunks sent before the first token."""
         return []
 
-    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+    def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
+        """The chunks one output streams (none while text is held back)."""
         raise NotImplementedError
 
     def full(self, collected: Collected) -> dict[str, Any]:
@@ -99,9 +105,17 @@ class CompletionRenderer(Renderer):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, echo: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # text_offset of the next token, per choice
+        self.echo = echo  # the prompt's text, which each choice's text starts with (``echo``)
+        self._echoed: set[int] = set()
+
+    def _with_echo(self, index: int, text: str) -> str:
+        if self.echo is None or index in self._echoed:
+            return text
+        self._echoed.add(index)
+        return self.echo + text
 
     def _logprobs(self, index: int, lps: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
         offset = self._offsets.get(index, 0)
@@ -117,18 +131,18 @@ class CompletionRenderer(Renderer):
         self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+    def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         if not out.text and not out.finish_reason and not out.logprobs:
-            return None
-        return self.chunk([{
-            "index": out.index, "text": out.text,
+            return []
+        return [self.chunk([{
+            "index": out.index, "text": self._with_echo(out.index, out.text),
             "logprobs": self._logprobs(out.index, out.logprobs) if out.logprobs else None,
             "finish_reason": _finish_reason(out.finish_reason),
-        }])
+        }])]
 
     def full(self, collected: Collected) -> dict[str, Any]:
         choices = [{
-            "index": seq.index, "text": "".join(seq.texts),
+            "index": seq.index, "text": self._with_echo(seq.index, "".join(seq.texts)),
             "logprobs": self._logprobs(seq.index, seq.logprobs) if seq.logprobs else None,
             "finish_reason": _finish_reason(seq.finish_reason),
         } for seq in sorted(collected.seqs.values(), key=lambda s: s.index)]
@@ -155,36 +169,64 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args, wants_logprobs: bool = False, **kwargs):
+    def __init__(self, *args, wants_logprobs: bool = False, tools: ToolPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.wants_logprobs = wants_logprobs
+        self.tools = tools
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.num_choices)]
 
-    def delta(self, out: RequestOutput, seq: Sequence) -> dict[str, Any] | None:
+    def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         if not out.text and not out.finish_reason and not out.logprobs:
-            return None
-        delta: dict[str, Any] = {"content": out.text} if out.text or not out.finish_reason else {}
+            return []
+        text, chunks, reason = out.text, [], _finish_reason(out.finish_reason)
+        if self.tools is not None:
+            stream = self._tool_streams.setdefault(out.index, ToolStream(self.tools.fmt))
+            text = stream.feed(text)
+            if out.finished:
+                rest, calls = stream.finish()
+                text += rest
+                # each call in one chunk (id, name and all arguments): the client accumulates them
+                chunks = [self.chunk([{"index": out.index, "delta": {"tool_calls": [call.to_openai(i)]},
+                                       "logprobs": None, "finish_reason": None}]) for i, call in enumerate(calls)]
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+        lps = chat_logprobs(out.logprobs) if self.wants_logprobs and out.logprobs else None
+        delta: dict[str, Any] = {"content": text} if text or not out.finish_reason else {}
         if out.finish_reason and "audio" in seq.extras:
             delta["audio"] = seq.extras["audio"]
-        return self.chunk([{
-            "index": out.index, "delta": delta,
-            "logprobs": chat_logprobs(out.logprobs) if self.wants_logprobs and out.logprobs else None,
-            "finish_reason": _finish_reason(out.finish_reason),
-        }])
+        if chunks and text:  # content first, then the calls, then the finish
+            return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
+                    *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": reason}])]
+        if chunks:
+            return [*chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": lps,
+                                          "finish_reason": reason}])]
+        if not text and not out.finished and not lps:
+            return []
+        return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": reason}])]
 
     def full(self, collected: Collected) -> dict[str, Any]:
         choices = []
         for seq in sorted(collected.seqs.values(), key=lambda s: s.index):
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(seq.texts), "refusal": None}
+            content: str | None = "".join(seq.texts)
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            reason = _finish_reason(seq.finish_reason)
+            if self.tools is not None:
+                content, calls = parse(content, self.tools.fmt)
+                if calls:
+                    message["content"] = content
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
             if "audio" in seq.extras:
                 message["audio"] = seq.extras["audio"]
             choices.append({
                 "index": seq.index, "message": message,
                 "logprobs": chat_logprobs(seq.logprobs) if self.wants_logprobs else None,
-                "finish_reason": _finish_reason(seq.finish_reason),
+                "finish_reason": reason,
             })
         body = self._envelope(self.object_full, choices)
         body["usage"] = collected.usage()

@@ -7,7 +7,6 @@ Ranges are checked later by ``SamplingParams.validate``.
 
 from __future__ import annotations
 
-import json
 import types
 import typing
 from typing import Any, Union
@@ -17,6 +16,7 @@ import cattrs
 from cattrs.cols import list_structure_factory, mapping_structure_factory
 from cattrs.gen import make_dict_structure_fn
 
+from ifb.server.bodies import decode_json
 from ifb.server.errors import ApiError
 
 #: ``stop``: one string or a list of strings
@@ -67,10 +67,52 @@ class ContentPart:
 
 
 @attrs.frozen
+class FunctionCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@attrs.frozen
+class ToolCallIn:
+    """A tool call of an earlier assistant message."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+@attrs.frozen
 class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+@attrs.frozen
+class FunctionDef:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    type: str
+    function: FunctionDef
+
+
+@attrs.frozen
+class FunctionName:
+    name: str
+
+
+@attrs.frozen
+class NamedToolChoice:
+    type: str
+    function: FunctionName
 
 
 @attrs.frozen
@@ -134,8 +176,8 @@ class ChatCompletionRequest:
     response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     audio: AudioOutput | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM / llama.cpp extensions
     top_k: int | None = None
@@ -319,10 +361,4 @@ def structure(data: Any, cls: type) -> Any:
 
 def parse_body(raw: bytes, cls: type) -> Any:
     """Decode a JSON request body and structure it; raise ApiError(400) on any fault."""
-    if not raw.strip():
-        raise ApiError(400, "the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    return structure(data, cls)
+    return structure(decode_json(raw), cls)

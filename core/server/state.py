@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
 from typing import Any
@@ -52,6 +53,31 @@ class AppState:
     @property
     def is_in_flight(self) -> bool:
         return bool(self.engine.is_in_flight)
+
+    @property
+    def runtime(self):
+        return self.deployment.runtime
+
+    @property
+    def chat_template(self) -> str | None:
+        """The loaded chat template's source, where the tokenizer has one (tools are rendered by it)."""
+        template = getattr(self.runtime.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
+    def takes_media(self) -> bool:
+        """Whether the deployment reads image or audio content parts at all."""
+        media = self.engine.support.get("media_under_pruner")
+        return media is None or media.support is not Support.NOT_APPLICABLE
+
+    @property
+    def system_fingerprint(self) -> str:
+        """Names the configuration that produced an answer: the model, its plugin and how it is served."""
+        from ifb import __version__
+
+        config = self.deployment.config
+        key = f"{__version__}|{self.deployment.kind.plugin}|{self.runtime.model_name}|{config.options}"
+        return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
     # ---- auth ----
     def is_authorized(self, connection: HTTPConnection) -> bool:
@@ -123,10 +149,46 @@ class AppState:
         if self.is_in_flight and self.engine.is_full():
             raise ApiError(429, "the engine is full (batch and queue); retry later", code="engine_full")
         try:
-            return await run_in_threadpool(self.engine.submit, spec)
+            return await run_in_threadpool(self._submit_now, spec)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
         except RequestRejected as exc:
             raise ApiError(400, str(exc), code="unsupported_option") from None
         except EngineFull as exc:
             raise ApiError(429, f"{exc}; retry later", code="engine_full") from None
+
+    def _submit_now(self, spec: RequestSpec) -> RequestHandle:
+        check_prompt_length(self.runtime, spec)
+        return self.engine.submit(spec)
+
+
+#: a token of any vocabulary we serve covers at most this many characters of ordinary text
+_CHARS_PER_TOKEN = 16
+
+
+def _prompt_text(spec: RequestSpec) -> str | None:
+    if spec.prompt is not None:
+        return spec.prompt
+    if spec.messages is None:
+        return None
+    return "\n".join(m["content"] for m in spec.messages if isinstance(m.get("content"), str))
+
+
+def check_prompt_length(runtime: Any, spec: RequestSpec) -> None:
+    """Refuse a prompt far longer than the context after tokenizing only its beginning.
+
+    A prompt of more than ``max_model_len * 16`` characters is tokenized up to
+    that length first: when that much already holds more tokens than the
+    context, the rest cannot matter. (A chat template only adds tokens to its
+    messages' text.) Otherwise the engine tokenizes it whole, as any prompt.
+    """
+    text = _prompt_text(spec)
+    limit = runtime.max_model_len * _CHARS_PER_TOKEN
+    if text is None or len(text) <= limit:
+        return
+    # a cut inside a word can split its last piece differently: a margin keeps the test sound
+    num_tokens = len(runtime.tokenizer.encode(text[:limit], add_special_tokens=False)) - 8
+    if num_tokens >= runtime.max_model_len:
+        raise InvalidRequest(f"the prompt has more than {num_tokens} tokens (its first {limit} of "
+                             f"{len(text)} characters already do); this model's context is "
+                             f"{runtime.max_model_len} tokens")

@@ -6,14 +6,20 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Tokenizer
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict]) -> str:
-    """Render text-only chat messages with the checkpoint's template (InvalidRequest on bad input)."""
+def render_chat(tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Render text-only chat messages with the checkpoint's template (InvalidRequest on bad input).
+
+    ``tools`` (OpenAI tool objects) go to a template that reads them; the server
+    passes them only to such a template.
+    """
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise InvalidRequest("each message needs a role and content")
         if not isinstance(m.get("content"), (str, type(None))):
             raise InvalidRequest("this deployment accepts text content only")
     try:
+        if tools:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)  # type: ignore[call-arg]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - the template's own error is the message
         raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
@@ -29,5 +35,6 @@ def prompt_token_ids(tokenizer: Tokenizer, vocab_size: int, spec: RequestSpec) -
         return ids
     if spec.messages is not None:
         # the template writes any special tokens itself
-        return tokenizer.encode(render_chat(tokenizer, list(spec.messages)), add_special_tokens=False)
+        text = render_chat(tokenizer, list(spec.messages), tools=spec.extras.get("tools"))
+        return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(spec.prompt or "", add_special_tokens=True)

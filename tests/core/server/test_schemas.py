@@ -97,7 +97,7 @@ def test_completion_sampling_mapping_and_defaults():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_fields(fields, param):
@@ -129,7 +129,7 @@ def test_chat_messages_mapping():
     assert messages[0] == {"role": "system", "content": "be brief"}
     assert messages[1] == {"role": "user", "content": "a\nb", "name": "x"}
     assert messages[2]["content"][0] == {"type": "image_url", "image_url": {"url": "data:,", "detail": None}}
-    bad_role = structure({"messages": [{"role": "tool", "content": "x"}]}, ChatCompletionRequest)
+    bad_role = structure({"messages": [{"role": "robot", "content": "x"}]}, ChatCompletionRequest)
     assert error_of(chat_spec, bad_role, {}).param == "messages[0].role"
     no_text = structure({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, ChatCompletionRequest)
     assert error_of(chat_spec, no_text, {}).param == "messages[0].content[0]"
@@ -149,7 +149,7 @@ def test_chat_known_options_travel_in_extras():
     assert audio.extras["generate_audio"] is True and audio.extras["audio"] == {"voice": "v", "format": "wav"}
     assert "generate_audio" not in chat_spec(chat(modalities=["text"]), {}).extras
     assert error_of(chat_spec, chat(modalities=["video"]), {}).param == "modalities[0]"
-    assert error_of(chat_spec, chat(tools=[{"type": "function"}]), {}).param == "tools"
+    assert error_of(chat_spec, chat(tools=[{"type": "web", "function": {"name": "f"}}]), {}).param == "tools[0].type"
     assert chat_spec(chat(tool_choice="none", parallel_tool_calls=False), {}).messages
 
 
