@@ -6,7 +6,7 @@ from typing import Any, Iterator, Sequence
 
 from ifb.capabilities import DeployConfig
 from ifb.deploy import Deployment, load_deployment
-from ifb.outputs import FinalOutput, RequestOutput, collect
+from ifb.outputs import FinalOutput, RequestHandle, RequestOutput, collect
 from ifb.params import RequestSpec, SamplingParams
 
 
@@ -45,17 +45,32 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str], params: SamplingParams | None = None,
                  **extras: Any) -> list[FinalOutput]:
-        """Complete each prompt; returns one result per prompt (all submitted at once)."""
+        """Complete each prompt; returns one result per prompt (all submitted at once).
+
+        An exception while waiting (Ctrl-C's KeyboardInterrupt included) cancels
+        every request of the call: each frees its seat at the next boundary.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         params = params or SamplingParams()
-        handles = [self._submit(RequestSpec(prompt=p, params=params, extras=extras)) for p in prompts]
-        return [h.result() for h in handles]
+        handles: list[RequestHandle] = []
+        try:
+            for p in prompts:
+                handles.append(self._submit(RequestSpec(prompt=p, params=params, extras=extras)))
+            return [h.result() for h in handles]
+        except BaseException:
+            _cancel(handles)
+            raise
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **extras: Any) -> FinalOutput:
-        """Answer one conversation (OpenAI-style messages)."""
+        """Answer one conversation (OpenAI-style messages); an exception while waiting cancels it."""
         spec = RequestSpec(messages=tuple(messages), params=params or SamplingParams(), extras=extras)
-        return self._submit(spec).result()
+        handle = self._submit(spec)
+        try:
+            return handle.result()
+        except BaseException:
+            _cancel([handle])
+            raise
 
     def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, **extras: Any) -> Iterator[RequestOutput]:
@@ -80,6 +95,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cancel(handles: list[RequestHandle]) -> None:
+    for handle in handles:
+        if not handle.done.is_set():
+            handle.cancel()
 
 
 __all__ = ["LLM", "SamplingParams", "collect"]

@@ -215,11 +215,10 @@ class Scheduler:
         if r.first_token_time is None:
             r.first_token_time = now
         is_eos = token in r.eos_token_ids and not r.params.ignore_eos
+        logprob = self._logprob(token, out) if out.logprob is not None else None
         if not is_eos:
-            r.detok.add(token)
-        logprobs = ()
-        if out.logprob is not None:
-            logprobs = (self._logprob(token, out),)
+            r.detok.add(token, logprob)  # it goes out with the text it starts (not at all if a stop string's)
+        token_ids, logprobs = ((token,), (logprob,) if logprob is not None else ()) if is_eos else ((), ())
         for listener in self.listeners:
             listener.on_token(r, now)
         with self.counters.lock:
@@ -230,10 +229,12 @@ class Scheduler:
         elif len(r.output_token_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            self.finish(r, reason, token_ids=(token,), logprobs=logprobs)
+            self.finish(r, reason, token_ids=token_ids, logprobs=logprobs)
         else:
+            text = r.detok.release(final=False)
+            token_ids, logprobs = r.detok.release_tokens(final=False)
             r.handle.push(RequestOutput(
-                request_id=r.request_id, text=r.detok.release(final=False), token_ids=(token,),
+                request_id=r.request_id, text=text, token_ids=token_ids,
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
                 logprobs=logprobs, index=r.index,
             ), self._deliveries)
@@ -288,8 +289,11 @@ class Scheduler:
         now = time.monotonic()
         for listener in self.listeners:
             listener.on_finish(r, now)
+        text = r.detok.release(final=True)
+        held_ids, held_logprobs = r.detok.release_tokens(final=True)
         r.handle.push(RequestOutput(
-            request_id=r.request_id, text=r.detok.release(final=True), token_ids=token_ids,
+            request_id=r.request_id, text=text, token_ids=held_ids + token_ids,
             finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=len(r.output_token_ids), logprobs=logprobs, error=error, index=r.index,
+            num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
+            logprobs=held_logprobs + logprobs, error=error, index=r.index,
         ), self._deliveries)

@@ -78,6 +78,14 @@ def _setup_logging(level: str) -> None:
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "float16"]), default="auto",
               show_default=True,
               help="(text) KV cache precision; auto: float16 with integer activations (auto, int8), else float32.")
+@click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=16 * 1024 * 1024, show_default=True,
+              help="Largest request body; a larger one is refused with 413 before it is read.")
+@click.option("--allowed-hosts", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A Host name (or *.suffix, or *) served besides loopback names. Repeatable. Bound to "
+                   "loopback, other Host headers are refused (DNS rebinding).")
+@click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (https://app.example) whose pages may call the server (CORS). Repeatable; "
+                   "other origins are refused.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
@@ -86,13 +94,16 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, visual_token_pruner: float | None = None,
           allowed_local_media_path: Path | None = None, quantization: str = "auto",
-          kv_cache_dtype: str = "auto", static_batching: bool = False) -> None:
+          kv_cache_dtype: str = "auto", max_request_body_bytes: int = 16 * 1024 * 1024,
+          allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
+          static_batching: bool = False) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     import uvicorn
 
     from ifb.deploy import load_deployment
     from ifb.server.app import build_app
+    from ifb.server.guard import GuardConfig, is_loopback
 
     _setup_logging(log_level)
     if static_batching and not enable_in_flight_batching:
@@ -132,7 +143,9 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         click.echo(f"ifb serve: {_reason(exc)}", err=True)
         sys.exit(1)
     try:
-        app = build_app(deployment, api_key=api_key, model_name=served_model_name)
+        guard = GuardConfig(check_host=is_loopback(host) or bool(allowed_hosts), allowed_hosts=allowed_hosts,
+                            allowed_origins=allowed_origins, max_request_body_bytes=max_request_body_bytes)
+        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard)
         if not logging.getLogger("ifb.deploy").isEnabledFor(logging.INFO):  # else load_deployment logged it
             click.echo(f"ifb serve: {deployment.describe()}", err=True)
         click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "

@@ -1,0 +1,72 @@
+"""The Python API: an exception while ``generate`` / ``chat`` waits cancels the call's requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from ifb.llm import LLM
+from ifb.outputs import RequestHandle
+from ifb.params import SamplingParams
+
+from tests.core.fakes import FakeRuntime, text_caps
+from tests.core.server.conftest import make_deployment, settle, wait_for
+
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+def _llm(in_flight: bool = True) -> LLM:
+    llm = LLM.__new__(LLM)  # the real class around a fake-runtime deployment (no model to load)
+    runtime = FakeRuntime(caps=text_caps(), step_delay=0.005)
+    llm.deployment = make_deployment(in_flight=in_flight, runtime=runtime)
+    llm.config = llm.deployment.config
+    return llm
+
+
+def _interrupt_when_resident(llm: LLM, num: int) -> threading.Thread:
+    """SIGINT this process (Ctrl-C) once ``num`` requests hold a seat and have produced tokens."""
+    def fire() -> None:
+        wait_for(lambda: llm.engine.counters.snapshot()["resident"] == num)
+        wait_for(lambda: len(llm.deployment.runtime.steps) >= 5)  # a few tokens in
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_ctrl_c_in_generate_cancels_and_frees_the_seats(in_flight):
+    llm = _llm(in_flight)
+    try:
+        num = 2 if in_flight else 1
+        thread = _interrupt_when_resident(llm, num)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["abc", "xyz"][:num], LONG)
+        thread.join()
+        snap = settle(llm.deployment)
+        assert snap["cancelled"] == num and snap["completed"] == 0
+        assert len(llm.deployment.runtime.steps) < 100  # they stopped long before max_tokens
+        # the seats are free: the next call is served
+        assert llm.generate("abc", SamplingParams(max_tokens=3, temperature=0))[0].num_output_tokens == 3
+    finally:
+        llm.close()
+
+
+def test_an_exception_in_chat_cancels_the_request(monkeypatch):
+    llm = _llm()
+    try:
+        def broken(self):  # the wait fails the way any exception in the caller's thread would
+            wait_for(lambda: llm.engine.counters.generation_tokens >= 2)
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(RequestHandle, "result", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.chat([{"role": "user", "content": "hello"}], LONG)
+        snap = settle(llm.deployment)
+        assert snap["cancelled"] == 1 and snap["resident"] == 0 and snap["completed"] == 0
+    finally:
+        llm.close()
