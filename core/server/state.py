@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from typing import Any
 
@@ -24,8 +25,8 @@ _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetit
 
 
 def _param_of(message: str) -> str | None:
-    first = message.split(" ", 1)[0]
-    return first if first in _PARAM_NAMES else None
+    """The first body field a message names (``at most 8 stop strings ...`` -> ``stop``)."""
+    return next((word for word in re.findall(r"[a-z_]+", message) if word in _PARAM_NAMES), None)
 
 
 @attrs.define

@@ -73,11 +73,12 @@ def settle(deployment: Deployment) -> dict:
 
 
 @contextlib.contextmanager
-def served(*, api_key: str | None = None, host=None, **deployment_args) -> Iterator[tuple[str, Deployment]]:
+def served(*, api_key: str | None = None, host=None, guard=None,
+           **deployment_args) -> Iterator[tuple[str, Deployment]]:
     deployment = make_deployment(**deployment_args)
     gate = deployment.runtime.gate
     try:
-        with running(build_app(deployment, api_key=api_key, host=host)) as url:
+        with running(build_app(deployment, api_key=api_key, host=host, guard=guard)) as url:
             yield url, deployment
             if gate is not None:
                 gate.set()

@@ -194,7 +194,7 @@ def test_lora_by_model_name_is_rejected_under_the_flag():
     (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "x", "n": 0}', 400, "n"),
     (json.dumps({"prompt": "x" * 600}).encode(), 400, None),
-    (json.dumps({"prompt": "x" * 500, "max_tokens": 100}).encode(), 400, None),
+    (json.dumps({"prompt": "x" * 500, "max_tokens": 100}).encode(), 400, "max_tokens"),
     (b'{"prompt": []}', 400, None),
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
 ])

@@ -1,0 +1,307 @@
+"""A corpus of bad and hostile requests: each gets a clean OpenAI-style 4xx, and the server goes on.
+
+One server (a text-only fake deployment) takes the whole corpus; afterwards
+it still answers normal requests and its counters add up.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from ifb.capabilities import OptionSupport, Support
+from ifb.server.guard import GuardConfig
+
+from tests.core.fakes import FakeRuntime, text_caps
+from tests.core.server.conftest import ENDPOINTS, served, settle
+
+JSON = {"content-type": "application/json"}
+CTX = 512  # the fake runtime's context
+LIMIT = 1024 * 1024  # the body limit these tests run with
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def user(content) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def chat(**fields) -> dict:
+    return {**user("hi"), **fields}
+
+
+def cmpl(**fields) -> dict:
+    return {"prompt": "hi", **fields}
+
+
+def tool(name: str = "get_weather", **params) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params or {"type": "object"}}}
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (id, path, body: dict (sent as JSON) or bytes, extra headers, expected status, expected param or ...)
+ANY = ...
+CORPUS = [
+    # -- malformed bodies --
+    ("truncated-json", CMPL, b'{"prompt": ', {}, 400, None),
+    ("empty-body", CMPL, b"", {}, 400, None),
+    ("whitespace-body", CMPL, b"   \n", {}, 400, None),
+    ("array-body", CMPL, b"[1, 2]", {}, 400, None),
+    ("string-body", CMPL, b'"prompt"', {}, 400, None),
+    ("invalid-utf8", CMPL, b'{"prompt": "\xff\xfe"}', {}, 400, None),
+    ("trailing-garbage", CMPL, b'{"prompt": "a"} x', {}, 400, None),
+    ("nan", CMPL, b'{"prompt": "a", "temperature": NaN}', {}, 400, None),
+    ("infinity", CMPL, b'{"prompt": "a", "temperature": Infinity}', {}, 400, None),
+    ("minus-infinity", CMPL, b'{"prompt": "a", "top_p": -Infinity}', {}, 400, None),
+    ("huge-exponent", CMPL, b'{"prompt": "a", "max_tokens": 1e999}', {}, 400, "max_tokens"),
+    ("5000-digit-int", CMPL, b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, None),
+    ("deep-messages-5k", CHAT, b'{"messages": ' + nested(5000).encode() + b"}", {}, 400, None),
+    ("deep-object-20k", CMPL, b'{"a":' * 20000 + b"1" + b"}" * 20000, {}, 400, None),
+    ("deep-65-in-prompt", CMPL, b'{"prompt": ' + nested(65).encode() + b"}", {}, 400, ANY),
+    ("deep-in-tool-params", CHAT, chat(tools=[tool(properties=json.loads('{"a": ' * 70 + "1" + "}" * 70))]),
+     {}, 400, ANY),
+    # -- wrong types and missing fields --
+    ("unknown-field", CMPL, cmpl(frobnicate=True), {}, 400, None),
+    ("prompt-missing", CMPL, {"max_tokens": 3}, {}, 400, "prompt"),
+    ("prompt-number", CMPL, {"prompt": 5}, {}, 400, "prompt"),
+    ("prompt-null", CMPL, {"prompt": None}, {}, 400, "prompt"),
+    ("prompt-empty-list", CMPL, {"prompt": []}, {}, 400, ANY),
+    ("prompt-two-prompts", CMPL, {"prompt": ["a", "b"]}, {}, 400, "prompt"),
+    ("prompt-mixed-list", CMPL, {"prompt": [1, "a"]}, {}, 400, "prompt"),
+    ("max-tokens-string", CMPL, cmpl(max_tokens="ten"), {}, 400, "max_tokens"),
+    ("max-tokens-float", CMPL, cmpl(max_tokens=1.5), {}, 400, "max_tokens"),
+    ("max-tokens-bool", CMPL, cmpl(max_tokens=True), {}, 400, "max_tokens"),
+    ("max-tokens-zero", CMPL, cmpl(max_tokens=0), {}, 400, "max_tokens"),
+    ("max-tokens-negative", CMPL, cmpl(max_tokens=-3), {}, 400, "max_tokens"),
+    ("max-tokens-huge", CMPL, cmpl(max_tokens=10 ** 30), {}, 400, "max_tokens"),
+    ("temperature-string", CMPL, cmpl(temperature="hot"), {}, 400, "temperature"),
+    ("temperature-negative", CMPL, cmpl(temperature=-1), {}, 400, "temperature"),
+    ("temperature-huge", CMPL, cmpl(temperature=1e308), {}, 400, "temperature"),
+    ("top-p-zero", CMPL, cmpl(top_p=0), {}, 400, "top_p"),
+    ("top-p-two", CMPL, cmpl(top_p=2), {}, 400, "top_p"),
+    ("top-k-negative", CMPL, cmpl(top_k=-5), {}, 400, "top_k"),
+    ("min-p-two", CMPL, cmpl(min_p=2), {}, 400, "min_p"),
+    ("repetition-penalty-zero", CMPL, cmpl(repetition_penalty=0), {}, 400, "repetition_penalty"),
+    ("presence-penalty-five", CMPL, cmpl(presence_penalty=5), {}, 400, "presence_penalty"),
+    ("frequency-penalty-minus-five", CMPL, cmpl(frequency_penalty=-5), {}, 400, "frequency_penalty"),
+    ("logprobs-fifty", CMPL, cmpl(logprobs=50), {}, 400, "logprobs"),
+    ("logprobs-bool", CMPL, cmpl(logprobs=True), {}, 400, "logprobs"),
+    ("n-zero", CMPL, cmpl(n=0), {}, 400, "n"),
+    ("n-hundred", CMPL, cmpl(n=100), {}, 400, ANY),
+    ("stop-nine", CMPL, cmpl(stop=[str(i) for i in range(9)]), {}, 400, "stop"),
+    ("stop-empty-string", CMPL, cmpl(stop=[""]), {}, 400, "stop"),
+    ("stop-number", CMPL, cmpl(stop=5), {}, 400, "stop"),
+    ("stream-string", CMPL, cmpl(stream="yes"), {}, 400, "stream"),
+    ("stream-options-without-stream", CMPL, cmpl(stream_options={"include_usage": True}), {}, 400,
+     "stream_options"),
+    ("seed-string", CMPL, cmpl(seed="x"), {}, 400, "seed"),
+    ("seed-float", CMPL, cmpl(seed=1.5), {}, 400, "seed"),
+    ("ignore-eos-string", CMPL, cmpl(ignore_eos="true"), {}, 400, "ignore_eos"),
+    ("stop-token-ids-strings", CMPL, cmpl(stop_token_ids=["a"]), {}, 400, ANY),
+    ("logit-bias", CMPL, cmpl(logit_bias={"5": 1.0}), {}, 400, "logit_bias"),
+    ("suffix", CMPL, cmpl(suffix="x"), {}, 400, "suffix"),
+    ("best-of", CMPL, cmpl(best_of=3), {}, 400, "best_of"),
+    ("echo-with-logprobs", CMPL, cmpl(echo=True, logprobs=1), {}, 400, "echo"),
+    ("unknown-model", CMPL, cmpl(model="gpt-17"), {}, 404, "model"),
+    ("response-format-yaml", CMPL, cmpl(response_format={"type": "yaml"}), {}, 400, "response_format.type"),
+    ("response-format-schema-missing", CMPL, cmpl(response_format={"type": "json_schema"}), {}, 400,
+     "response_format.json_schema"),
+    ("response-format-regex-empty", CMPL, cmpl(response_format={"type": "regex", "regex": ""}), {}, 400,
+     "response_format.regex"),
+    ("response-format-invalid-schema", CMPL,
+     cmpl(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), {}, 400,
+     ANY),
+    # -- invalid Unicode --
+    ("surrogate-prompt", CMPL, b'{"prompt": "a\\ud800b"}', {}, 400, "prompt"),
+    ("surrogate-low-prompt", CMPL, b'{"prompt": "\\udfff"}', {}, 400, "prompt"),
+    ("surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', {}, 400,
+     "messages[0].content"),
+    ("surrogate-stop", CMPL, b'{"prompt": "a", "stop": ["\\ud800"]}', {}, 400, "stop[0]"),
+    ("surrogate-key", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                            b'"function": {"name": "f", "parameters": {"\\udc00": 1}}}]}', {}, 400,
+     "tools[0].function.parameters"),
+    # -- prompts longer than the context --
+    ("prompt-over-context", CMPL, cmpl(prompt="a" * (CTX + 10)), {}, 400, None),
+    ("prompt-far-over-context", CMPL, cmpl(prompt="a" * (CTX * 40)), {}, 400, None),
+    ("chat-far-over-context", CHAT, user("b" * (CTX * 40)), {}, 400, None),
+    # -- chat messages --
+    ("messages-missing", CHAT, {"model": "fake"}, {}, 400, "messages"),
+    ("messages-empty", CHAT, {"messages": []}, {}, 400, ANY),
+    ("messages-string", CHAT, {"messages": "hi"}, {}, 400, "messages"),
+    ("role-missing", CHAT, {"messages": [{"content": "x"}]}, {}, 400, "messages[0].role"),
+    ("role-unknown", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400, "messages[0].role"),
+    ("content-null", CHAT, user(None), {}, 400, "messages[0].content"),
+    ("content-number", CHAT, user(5), {}, 400, "messages[0].content"),
+    ("part-unknown-type", CHAT, user([{"type": "video", "video": "x"}]), {}, 400, ANY),
+    ("part-text-missing", CHAT, user([{"type": "text"}]), {}, 400, "messages[0].content[0]"),
+    ("image-on-text-model", CHAT, user([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]),
+     {}, 400, "messages[0].content[0]"),
+    ("audio-on-text-model", CHAT, user([{"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]),
+     {}, 400, "messages[0].content[0]"),
+    ("image-url-number", CHAT, user([{"type": "image_url", "image_url": {"url": 5}}]), {}, 400, ANY),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("top-logprobs-thirty", CHAT, chat(logprobs=True, top_logprobs=30), {}, 400, "top_logprobs"),
+    ("modality-video", CHAT, chat(modalities=["video"]), {}, 400, "modalities[0]"),
+    # -- tools --
+    ("tools-object", CHAT, chat(tools={"type": "function"}), {}, 400, "tools"),
+    ("tool-type-web", CHAT, chat(tools=[{"type": "web", "function": {"name": "f"}}]), {}, 400, "tools[0].type"),
+    ("tool-without-function", CHAT, chat(tools=[{"type": "function"}]), {}, 400, ANY),
+    ("tool-without-name", CHAT, chat(tools=[{"type": "function", "function": {"description": "d"}}]), {}, 400, ANY),
+    ("tool-empty-name", CHAT, chat(tools=[{"type": "function", "function": {"name": ""}}]), {}, 400, ANY),
+    ("tool-duplicate", CHAT, chat(tools=[tool(), tool()]), {}, 400, "tools"),
+    ("tool-choice-sometimes", CHAT, chat(tools=[tool()], tool_choice="sometimes"), {}, 400, "tool_choice"),
+    ("tool-choice-unknown-name", CHAT,
+     chat(tools=[tool()], tool_choice={"type": "function", "function": {"name": "nope"}}), {}, 400,
+     "tool_choice.function.name"),
+    ("tool-choice-without-tools", CHAT, chat(tool_choice="required"), {}, 400, "tool_choice"),
+    ("tool-choice-bad-type", CHAT, chat(tools=[tool()], tool_choice={"type": "x", "function": {"name": "f"}}),
+     {}, 400, "tool_choice.type"),
+    ("tool-call-bad-arguments", CHAT, {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     {}, 400, "messages[1].tool_calls[0].function.arguments"),
+    ("tool-calls-on-user", CHAT, {"messages": [
+        {"role": "user", "content": "x",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     {}, 400, "messages[0].tool_calls"),
+    ("tool-required-without-guided-decoder", CHAT, chat(tools=[tool()], tool_choice="required"), {}, 400, None),
+    # -- headers: content type, host, origin, size --
+    ("content-type-text-plain", CMPL, cmpl(), {"content-type": "text/plain"}, 415, None),
+    ("content-type-form", CHAT, chat(), {"content-type": "application/x-www-form-urlencoded"}, 415, None),
+    ("content-type-multipart", CMPL, cmpl(), {"content-type": "multipart/form-data; boundary=x"}, 415, None),
+    ("content-type-missing", CMPL, cmpl(), {"content-type": ""}, 415, None),
+    ("host-foreign", CMPL, cmpl(), {"host": "evil.example"}, 403, None),
+    ("host-rebinding-suffix", CMPL, cmpl(), {"host": "localhost.evil.example:8000"}, 403, None),
+    ("host-private-address", CMPL, cmpl(), {"host": "192.168.1.10:8000"}, 403, None),
+    ("origin-foreign", CMPL, cmpl(), {"origin": "https://evil.example"}, 403, None),
+    ("origin-null", CHAT, chat(), {"origin": "null"}, 403, None),
+    ("origin-other-port", CMPL, cmpl(), {"origin": "http://127.0.0.1:1"}, 403, None),
+    ("body-over-limit", CMPL, cmpl(prompt="a" * LIMIT), {}, 413, None),
+    # -- routes --
+    ("tokenize-surrogate", "/tokenize", b'{"prompt": "\\ud800"}', {}, 400, "prompt"),
+    ("tokenize-both", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, {}, 400, None),
+    ("tokenize-neither", "/tokenize", {}, {}, 400, None),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, {}, 400, "tokens"),
+    ("detokenize-strings", "/detokenize", {"tokens": ["a"]}, {}, 400, ANY),
+]
+
+
+@pytest.fixture(scope="module")
+def text_server():
+    caps = text_caps(endpoints=dict(ENDPOINTS), options={
+        "differing_sampling": OptionSupport(Support.SERVED),
+        "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only.")})
+    runtime = FakeRuntime(caps=caps, max_model_len=CTX, step_delay=0.01)
+    with served(runtime=runtime, guard=GuardConfig(max_request_body_bytes=LIMIT)) as pair:
+        yield pair
+
+
+def _send(client: httpx.Client, path: str, body, headers: dict) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {**JSON, **headers}
+    if headers.get("content-type") == "":
+        del headers["content-type"]
+    return client.post(path, content=content, headers=headers)
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"] and "Traceback" not in error["message"]
+    assert error["type"] == ("rate_limit_error" if status == 429 else "invalid_request_error")
+    return error
+
+
+def test_the_corpus_is_large():
+    assert len(CORPUS) >= 60 and len({case[0] for case in CORPUS}) == len(CORPUS)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[case[0] for case in CORPUS])
+def test_bad_input_is_a_clean_4xx(text_server, case):
+    _, path, body, headers, status, param = case
+    url, _ = text_server
+    with httpx.Client(base_url=url, timeout=10) as client:
+        error = assert_openai_error(_send(client, path, body, headers), status)
+        if param is not ANY:
+            assert error["param"] == param, error
+        # the server goes on serving, on a fresh connection if it closed this one
+        ok = client.post(CMPL, json={"prompt": "abc", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_after_the_corpus_counters_add_up(text_server):
+    _, deployment = text_server
+    snap = settle(deployment)
+    assert snap["failed"] == 0
+
+
+def test_errors_that_leave_a_body_unread_close_the_connection(text_server):
+    url, _ = text_server
+    with httpx.Client(base_url=url, timeout=10) as client:
+        response = client.post(CMPL, content=b"x" * (LIMIT + 10), headers=JSON)
+        assert response.status_code == 413 and response.headers["connection"] == "close"
+        assert client.post(CMPL, json={"prompt": "abc", "max_tokens": 1}).status_code == 200
+
+
+def _raw_post(port: int, headers: str, chunks, read_timeout: float = 10.0) -> bytes:
+    """Send a request's head and as much of its body as the server takes; return its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=read_timeout) as sock:
+        sock.sendall(headers.encode())
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # the server answered and closed before taking it all
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+        return data
+
+
+def test_oversized_bodies_are_refused_before_they_are_read_while_a_stream_runs(text_server):
+    url, deployment = text_server
+    port = int(url.rsplit(":", 1)[1])
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            with client.stream("POST", CMPL, json={"prompt": "abc", "max_tokens": 150, "stream": True,
+                                                   "ignore_eos": True}) as response:
+                for _ in response.iter_lines():
+                    arrivals.append(time.monotonic())
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    while len(arrivals) < 5:
+        time.sleep(0.005)
+    head = (f"POST {CMPL} HTTP/1.1\r\nHost: {url.removeprefix('http://')}\r\n"
+            "Content-Type: application/json\r\n")
+    # a declared 50 MB body: answered after its first megabyte at most, the rest never sent
+    declared = _raw_post(port, head + f"Content-Length: {50 * 1024 * 1024}\r\n\r\n",
+                         [b'{"prompt": "' + b"a" * 65536] + [b"a" * 65536] * 15)
+    # a chunked body with no length: refused once it passes the limit
+    chunk = b"a" * 65536
+    chunked = _raw_post(port, head + "Transfer-Encoding: chunked\r\n\r\n",
+                        (b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(40)))
+    streamer.join(timeout=30)
+    for answer in (declared, chunked):
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"connection: close" in answer.lower()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    # a step takes 10 ms; a stall behind the refusals (the issue saw 30 s) would show here
+    assert len(arrivals) > 150 and max(gaps) < 0.5, max(gaps)
+    settle(deployment)
