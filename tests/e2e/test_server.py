@@ -287,3 +287,104 @@ def test_metrics_parse(ifb, default):
     assert submitted == ifb.health()["scheduling"]["submitted"]
     text = httpx.get(f"{default.url}/metrics", headers=default.headers()).text
     assert any(f.name == "ifb_generation_tokens" for f in text_string_to_metric_families(text))
+
+
+# ---- OpenAI conformance, tool calling, hostile input ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_models_retrieve(ifb):
+    client = ifb.client()
+    model = client.models.retrieve(model_id(ifb))
+    assert model.id == model_id(ifb) and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("question", ["What is the weather like in Paris?", "Tell me a joke.", "What time is it?"])
+def test_required_tool_choice_always_parses(ifb, question):
+    import json
+
+    result = ifb.client().chat.completions.create(
+        model=model_id(ifb), messages=chat(question), tools=[WEATHER, CLOCK], tool_choice="required",
+        max_tokens=80, temperature=0)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    else:
+        assert call.function.name == "get_time" and arguments["zone"] in ("UTC", "CET", "PST")
+    assert result.created >= int(time.time()) - 60 and result.system_fingerprint
+
+
+def test_named_tool_choice_streams_deltas(ifb):
+    import json
+
+    stream = ifb.client().chat.completions.create(
+        model=model_id(ifb), messages=chat("Is it raining in Oslo?"), tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0,
+        stream=True)
+    chunks = list(stream)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or ())]
+    assert deltas and deltas[0].function.name == "get_weather" and deltas[0].id
+    assert set(json.loads("".join(d.function.arguments or "" for d in deltas))) == {"city"}
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_answers(ifb):
+    result = ifb.client().chat.completions.create(
+        model=model_id(ifb), messages=chat("What is the weather like in Paris?"), tools=[WEATHER], max_tokens=40,
+        temperature=0)
+    message = result.choices[0].message
+    assert message.content or message.tool_calls  # a small model may answer either way; both parse
+
+
+def test_logprobs_with_stop(ifb):
+    client, model = ifb.client(), model_id(ifb)
+    prompt = "The days of the week are Monday, Tuesday,"
+    free = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=0)
+    tokens = free.choices[0].logprobs.tokens
+    stop = "".join(tokens[3:5])  # a stop string that starts at a token boundary
+    assert free.choices[0].text.index(stop) == len("".join(tokens[:3]))
+    result = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=2,
+                                       stop=[stop])
+    choice = result.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == "".join(tokens[:3])
+    assert choice.logprobs.tokens == tokens[:3] and result.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("path,body,headers,status", [
+    ("/v1/completions", b'{"prompt": "\\ud800"}', {}, 400),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": null}]}', {}, 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+                             b'"image_url": {"url": "data:image/png;base64,AA"}}]}]}', {}, 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", '
+                             b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}',
+     {}, 400),
+    ("/v1/completions", b'{"prompt": "x"}', {"content-type": "text/plain"}, 415),
+    ("/v1/completions", b'{"prompt": "x"}', {"host": "rebound.example"}, 403),
+    ("/v1/completions", b'{"prompt": "x"}', {"origin": "https://evil.example"}, 403),
+])
+def test_hostile_requests_get_clean_errors(ifb, path, body, headers, status):
+    response = httpx.post(f"{ifb.url}{path}", content=body,
+                          headers={"content-type": "application/json", **headers}, timeout=30)
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_prompt_far_over_the_context_is_refused_without_tokenizing_it(ifb):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        ifb.client().completions.create(model=model_id(ifb), prompt="word " * 2_000_000, max_tokens=2)
+    assert ifb.health()["status"] == "ok"
