@@ -94,3 +94,28 @@ def test_chat_template_is_sandboxed_and_can_raise(tiny: TextTokenizer) -> None:
     unsafe = TextTokenizer(tiny.tokenizer, chat_template="{{ ''.__class__.__mro__ }}", eos_token_ids=())
     with pytest.raises(jinja2.exceptions.SecurityError):
         unsafe.apply_chat_template([])
+
+
+def test_long_texts_tokenize_as_short_ones(tiny: TextTokenizer, tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from ifb_plugins.common import tokenizer as module
+
+    text = "Der Zug fährt um 12:30 ab. 🙂 " * (module._LONG_TEXT // 10)
+    assert len(text) > module._LONG_TEXT  # the GIL-free batch path
+    assert tiny.encode(text) == AutoTokenizer.from_pretrained(tiny_dir)(text)["input_ids"]
+
+
+def test_tools_reach_a_template_that_reads_them(tiny: TextTokenizer) -> None:
+    from ifb.params import RequestSpec
+    from ifb_plugins.common.prompt import prompt_token_ids, render_chat
+
+    reads = TextTokenizer(tiny.tokenizer, eos_token_ids=tiny.eos_token_ids, chat_template=(
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "x"}]
+    assert render_chat(reads, messages, tools=tools) == "[get_weather]user:x;"
+    assert render_chat(reads, messages) == "user:x;"
+    spec = RequestSpec(messages=tuple(messages), extras={"tools": tools})
+    assert reads.decode(prompt_token_ids(reads, reads.vocab_size, spec)) == "[get_weather]user:x;"
