@@ -273,35 +273,35 @@ class ToolStream:
         self._sent = 0
         self._holding = False
 
-    def _marker_from(self) -> int | None:
-        """Where held-back text starts: a (possible prefix of a) call's opening, else None."""
+    def _marker(self) -> tuple[int | None, bool]:
+        """Where held-back text starts (None: nowhere), and whether a call has surely begun there."""
         if self.fmt == HERMES:
             at = self._text.find("<tool_call>", self._sent)
             if at != -1:
-                return at
+                return at, True
             for k in range(min(len("<tool_call>") - 1, len(self._text) - self._sent), 0, -1):
                 if "<tool_call>".startswith(self._text[-k:]):
-                    return len(self._text) - k
-            return None
+                    return len(self._text) - k, False
+            return None, False
+        # Llama 3 and Mistral answer with calls only: what matters is how the answer starts
         lead = self._text.lstrip()
         if not lead:
-            return 0
+            return 0, False
         openers = ("[TOOL_CALLS]", "[") if self.fmt == MISTRAL else ("<|python_tag|>", "{")
-        if any(lead.startswith(o) or o.startswith(lead) for o in openers):
-            return 0
-        return None
+        if any(lead.startswith(o) for o in openers):
+            return 0, True
+        if any(o.startswith(lead) for o in openers):
+            return 0, False
+        return None, False
 
     def feed(self, text: str) -> str:
         """Add generated text; returns the part that may go out as content now."""
         self._text += text
         if self._holding:
             return ""
-        at = self._marker_from()
+        at, certain = self._marker()
+        self._holding = certain
         end = len(self._text) if at is None else at
-        if self.fmt != HERMES and at is None:
-            end = len(self._text)
-        elif at is not None and (self.fmt != HERMES or self._text.startswith("<tool_call>", at)):
-            self._holding = True
         out = self._text[self._sent:end]
         self._sent = max(self._sent, end)
         return out

@@ -70,13 +70,18 @@ def test_parse_llama3_and_mistral():
     (HERMES, "a < b, and <tool no", "a < b, and <tool no"),
     (LLAMA3, '{"name": "f", "parameters": {}}', ""),
     (LLAMA3, "Plain answer {with braces}", "Plain answer {with braces}"),
+    (LLAMA3, "  <|py", "  <|py"),
+    (MISTRAL, " The list [1, 2]", " The list [1, 2]"),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": {}}]', ""),
 ])
 def test_tool_stream_holds_calls_back(fmt, text, content):
     stream = ToolStream(fmt)
-    sent = "".join(stream.feed(ch) for ch in text)
+    pieces = [stream.feed(ch) for ch in text]
+    sent = "".join(pieces)
     rest, calls = stream.finish()
     assert sent + rest == content
+    if not calls and not text.strip().startswith(("<", "[", "{")):
+        assert sent == text  # a plain answer streams as it comes
     assert bool(calls) == ('"name"' in text)
     if calls:
         assert calls[0].name == "f"
