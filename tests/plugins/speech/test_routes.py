@@ -35,7 +35,7 @@ def tts_dir(tmp_path_factory):
 def _client(model_dir, plugin, in_flight=False):
     deployment = load_deployment(DeployConfig(model=str(model_dir), plugin=plugin,
                                               enable_in_flight_batching=in_flight))
-    return deployment, TestClient(build_app(deployment, model_name="speechy"))
+    return deployment, TestClient(build_app(deployment, model_name="speechy"), base_url="http://localhost")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def tts(tts_dir):
 
 
 def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=client, max_retries=0)
 
 
 def frames(data: bytes) -> tuple[int, int, int, int]:

@@ -213,7 +213,7 @@ def test_server_answers_bad_media_with_400(llm):
 
     async def post(content):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post("/v1/chat/completions", json={
                 "model": llm.deployment.runtime.model_name, "max_tokens": 3, "temperature": 0,
                 "messages": [{"role": "user", "content": content}]})
