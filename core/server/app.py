@@ -96,6 +96,7 @@ def build_app(deployment, *, api_key: str | None = None, model_name: str | None 
                             Exception: handle_unexpected},
     )
     app.state.ifb = state
+    app.state.guard = guard
     # the last added runs first: CORS answers preflights, the guard refuses before auth is asked
     app.add_middleware(BearerAuth, state=state)
     app.add_middleware(Guard, config=guard, json_paths=_json_paths([*routes, *extra]))

@@ -15,6 +15,7 @@ from ifb.cli import main
 from ifb.engine import EngineFull
 from ifb.params import RequestSpec, SamplingParams
 from ifb.plugins import PluginHost
+from ifb.server.guard import GuardConfig
 
 from tests.core.server.conftest import make_deployment, served
 
@@ -143,3 +144,20 @@ def test_serve_defaults(monkeypatch):
     assert not config.enable_in_flight_batching and config.max_queued_requests == 64
     assert config.queue_timeout == 60.0 and config.max_num_batched_tokens == 256
     assert seen["run"]["host"] == "127.0.0.1" and seen["run"]["port"] == 8000
+
+
+@pytest.mark.parametrize("args,expected", [
+    ((), GuardConfig()),
+    (("--host", "0.0.0.0"), GuardConfig(check_host=False)),
+    (("--host", "0.0.0.0", "--allowed-hosts", "api.example", "--allowed-hosts", "*.corp.example",
+      "--allowed-origins", "https://app.example", "--max-request-body-bytes", "1000"),
+     GuardConfig(allowed_hosts=("api.example", "*.corp.example"), allowed_origins=("https://app.example",),
+                 max_request_body_bytes=1000)),
+])
+def test_serve_guard_flags(monkeypatch, args, expected):
+    seen = {}
+    monkeypatch.setattr("ifb.deploy.load_deployment", lambda config, **kwargs: make_deployment())
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.setdefault("app", app))
+    result = invoke("--log-level", "error", *args)
+    assert result.exit_code == 0, result.output
+    assert seen["app"].state.guard == expected
