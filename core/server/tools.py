@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -212,7 +214,12 @@ def forcing_grammar(plan_: ToolPlan) -> str | None:
 
 # ---- parsing ----
 
-def _call_of(obj: Any) -> ToolCall | None:
+def _mistral_id() -> str:
+    # Mistral's templates take back only ids of 9 letters and digits
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def _call_of(obj: Any, fmt: str = HERMES) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -223,7 +230,10 @@ def _call_of(obj: Any) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+    arguments = json.dumps(args, ensure_ascii=False)
+    if fmt == MISTRAL:
+        return ToolCall(name=obj["name"], arguments=arguments, id=_mistral_id())
+    return ToolCall(name=obj["name"], arguments=arguments)
 
 
 def _json(text: str) -> Any:
@@ -258,7 +268,7 @@ def parse(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         parsed = _json(body)
         items = [parsed] if parsed is not None else [_json(p) for p in body.split(";")]
-    calls = [_call_of(item) for item in items or ()]
+    calls = [_call_of(item, fmt) for item in items or ()]
     if not calls or None in calls:
         return text, []
     return content or None, calls  # type: ignore[return-value]

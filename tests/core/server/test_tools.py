@@ -60,6 +60,7 @@ def test_parse_llama3_and_mistral():
     calls = parse('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "f", "arguments": "{\\"a\\": 2}"}]',
                   MISTRAL)[1]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("f", {"a": 2})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # the ids Mistral's templates take back
     # the marker is a special token, which decoding may have dropped
     assert parse('[{"name": "get_time", "arguments": {}}]', MISTRAL)[1][0].name == "get_time"
     assert parse("[1, 2]", MISTRAL) == ("[1, 2]", [])
