@@ -305,3 +305,16 @@ def test_oversized_bodies_are_refused_before_they_are_read_while_a_stream_runs(t
     # a step takes 10 ms; a stall behind the refusals (the issue saw 30 s) would show here
     assert len(arrivals) > 150 and max(gaps) < 0.5, max(gaps)
     settle(deployment)
+
+
+def test_a_failed_request_closes_its_connection_and_the_next_is_served():
+    runtime = FakeRuntime(caps=text_caps(endpoints=dict(ENDPOINTS)))
+    with served(runtime=runtime) as (url, _):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            runtime.fail_ids.add("req")  # every step fails
+            failed = client.post(CMPL, json={"prompt": "abc", "max_tokens": 2})
+            assert failed.status_code == 500 and failed.headers["connection"] == "close"
+            assert failed.json()["error"]["type"] == "server_error"
+            runtime.fail_ids.clear()
+            # the same client opens a fresh connection instead of finding a reset one
+            assert client.post(CMPL, json={"prompt": "abc", "max_tokens": 2}).status_code == 200
