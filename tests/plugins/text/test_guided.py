@@ -245,3 +245,35 @@ def test_gguf_vocabulary_reaches_the_matcher_as_raw_bytes(checkpoint, tmp_path):
     text = 'say "hi" to café 42'
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ll.decode_bytes(ids) == text.encode()
+
+
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+DICE_TOOL = {"type": "function", "function": {"name": "roll", "parameters": {
+    "type": "object", "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 20}},
+    "required": ["sides"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_always_parse(llm, fmt, choice):
+    """Random weights under the server's forcing grammar still answer with calls that parse and validate."""
+    from ifb.server import tools
+
+    plan = tools.ToolPlan(tools=(CLOCK_TOOL, DICE_TOOL), choice=choice,
+                          forced_name="roll" if choice == "named" else None, parallel=False, fmt=fmt,
+                          in_template=fmt != "hermes")
+    fmt_ = {"type": "grammar", "grammar": tools.forcing_grammar(plan)}
+    for seed in range(3):
+        out = llm.generate("Call:", SamplingParams(temperature=1.0, seed=seed, max_tokens=120),
+                           response_format=fmt_)[0]
+        assert out.finish_reason == "stop", out.text
+        _, calls = tools.parse(out.text, fmt)
+        assert len(calls) == 1, out.text
+        args = json.loads(calls[0].arguments)
+        if calls[0].name == "roll":
+            assert set(args) == {"sides"} and 2 <= args["sides"] <= 20
+        else:
+            assert choice == "required" and calls[0].name == "get_time" and args == {"zone": args["zone"]}
+            assert args["zone"] in ("UTC", "CET")
