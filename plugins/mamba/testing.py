@@ -64,16 +64,19 @@ def _save(model, directory: str | Path, seed: int, mamba_heads: int) -> Path:
 
 
 def save_tiny_nemotron_h(directory: str | Path, seed: int = 0, *, pattern: str = "M-M*-M-",
-                         tie_word_embeddings: bool = False) -> Path:
-    """A tiny ``NemotronHForCausalLM`` (two SSM groups, GQA attention, short conv), saved by transformers."""
+                         tie_word_embeddings: bool = False, **overrides) -> Path:
+    """A tiny ``NemotronHForCausalLM`` (two SSM groups, GQA attention, short conv), saved by transformers.
+
+    ``overrides`` are further ``NemotronHConfig`` fields (a benchmark's larger shapes)."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    config = NemotronHConfig(
+    fields = dict(
         vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, hybrid_override_pattern=pattern,
         intermediate_size=2 * HIDDEN_SIZE, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
         max_position_embeddings=2048, tie_word_embeddings=tie_word_embeddings, bos_token_id=0, eos_token_id=2,
         pad_token_id=0)
+    config = NemotronHConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     return _save(NemotronHForCausalLM(config).float().eval(), directory, seed, config.mamba_num_heads)
 
