@@ -69,4 +69,4 @@ def ifb_deployment_kinds():
         name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)", declare=declare,
         load=load, settings=frozenset({"served_model_name", "max_model_len", "device", "hybrid_checkpoint_interval"}),
         description="Hybrid Mamba-2 / attention decoder from a Hugging Face Nemotron-H, Bamba or Granite 4.0 hybrid "
-                    "safetensors directory")]
+                    "safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

@@ -32,11 +32,17 @@ class LoadedHybrid:
 
 
 def load_hybrid_dir(path: str | Path | None) -> LoadedHybrid:
-    """Read a Hugging Face hybrid directory into config, float32 weights and tokenizer."""
+    """Read a Hugging Face hybrid directory (or a llama.cpp GGUF file) into config, float32 weights and
+    tokenizer."""
     if path is None:
         raise ValueError("the mamba plugin needs a local checkpoint directory (config.json, "
-                         "model.safetensors, tokenizer.json); pass its path as the model")
+                         "model.safetensors, tokenizer.json) or a .gguf file; pass its path as the model")
     path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from ifb_plugins.mamba.gguf_loader import load_hybrid_gguf
+
+        config, state, meta = load_hybrid_gguf(path)
+        return LoadedHybrid(config, state, TextTokenizer.from_gguf_metadata(meta), path)
     if not path.is_dir():
         raise FileNotFoundError(f"no such checkpoint directory: {path}")
     config_file = path / "config.json"

@@ -123,3 +123,133 @@ def hf_reference(path: str | Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def _converter_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter row order for Q/K: rotate-half pairs become interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def save_hybrid_gguf(hf_dir: str | Path, path: str | Path) -> Path:
+    """Convert a transformers-saved Nemotron-H or Granite 4.0 hybrid to GGUF as llama.cpp's converter does.
+
+    The metadata, tensor names (gguf-py's own name map) and transforms are
+    those of ``convert_hf_to_gguf.py``'s ``NemotronHModel`` / ``GraniteHybridModel``
+    (and ``Mamba2Model``), float32 throughout. Two inputs are given as the
+    converter needs them: the layer pattern (it recognises the hub's
+    ``hybrid_override_pattern`` and the old ``mamba`` / ``attention`` names, not
+    the ``linear_attention`` / ``full_attention`` that transformers 5 writes), and
+    the tokenizer's pre-tokenizer (the tiny tokenizer's hash is not one it knows:
+    ``smollm``, the shared layer's choice, whose digit split it does).
+    """
+    import gguf
+    from safetensors.torch import load_file
+
+    from ifb_plugins.common.hf_loader import safetensors_files
+    from ifb_plugins.mamba.config import ATTENTION, MAMBA, MLP, HybridConfig
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    c = HybridConfig.from_hf_config(cfg)
+    if c.family == "granitemoehybrid" and cfg.get("position_embedding_type") == "rope":
+        raise ValueError("llama.cpp's converter writes granitehybrid without RoPE; this model uses it")
+    arch = {"nemotron_h": gguf.MODEL_ARCH.NEMOTRON_H, "granitemoehybrid": gguf.MODEL_ARCH.GRANITE_HYBRID}[c.family]
+    names = gguf.get_tensor_name_map(arch, c.num_layers)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    granite = c.family == "granitemoehybrid"
+    w.add_block_count(c.num_layers)
+    w.add_context_length(2 ** 20 if granite else c.max_position_embeddings)  # granitehybrid without RoPE: 2**20
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv([c.num_kv_heads if k == ATTENTION else 0 for k in c.pattern])
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.ssm_state_size)
+    w.add_ssm_group_count(c.n_groups)
+    w.add_ssm_inner_size(c.mamba_intermediate)
+    w.add_ssm_time_step_rank(c.mamba_num_heads)
+    if granite:
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_attention_scale(c.softmax_scale)
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+        if c.num_experts:
+            w.add_expert_count(c.num_experts)
+            w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+        w.add_rope_scaling_finetuned(False)
+    else:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_feed_forward_length([c.intermediate_size if k == MLP else 0 for k in c.pattern])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    vocab.update({t["content"]: t["id"] for t in tok["added_tokens"]})
+    size = -(c.vocab_size // -8) * 8  # the converter pads hybrid vocabularies to a multiple of 8
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for t, i in vocab.items():
+        tokens[i] = t
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    if not granite:
+        w.add_add_bos_token(True)
+    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+
+    def split_name(kind: gguf.MODEL_TENSOR, bid: int) -> str:
+        return gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
+
+    state = {}
+    for file in safetensors_files(hf_dir):
+        state.update(load_file(str(file)))
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in state.items():
+        t = t.float()
+        bid = int(name.split(".")[2]) if ".layers." in name else None
+        if name.endswith((".input_linear.weight")):  # Granite's fused [gate | up]: split as GraniteMoeModel does
+            gate, up = t.chunk(2, dim=-2)
+            if "block_sparse_moe" in name:
+                kinds = (gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP)
+            elif c.num_experts:
+                kinds = (gguf.MODEL_TENSOR.FFN_GATE_SHEXP, gguf.MODEL_TENSOR.FFN_UP_SHEXP)
+            else:
+                kinds = (gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP)
+            out += [(split_name(kinds[0], bid), gate), (split_name(kinds[1], bid), up)]
+            continue
+        if granite and not c.num_experts and name.endswith("shared_mlp.output_linear.weight"):
+            out.append((split_name(gguf.MODEL_TENSOR.FFN_DOWN, bid), t))
+            continue
+        if name.endswith(".dt_bias"):
+            name = name[:-len(".dt_bias")] + ".dt_proj.bias"
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise ValueError(f"llama.cpp has no GGUF name for {name}")
+        if bid is not None and c.pattern[bid] == MAMBA:  # Mamba2Model.modify_tensors
+            if ".conv1d.weight" in name:
+                t = t.squeeze()
+            elif name.endswith((".A_log", ".D")):
+                t = t.reshape(*t.shape, 1)
+            elif name.endswith("mixer.norm.weight") or name.endswith("mamba.norm.weight"):
+                t = t.reshape(c.n_groups, -1)
+            if name.endswith(".A_log"):
+                t = -torch.exp(t)
+        elif bid is not None and c.pattern[bid] == ATTENTION:  # undo_permute, as for llama
+            if name.endswith("q_proj.weight"):
+                t = _converter_permute(t, c.num_heads)
+            elif name.endswith("k_proj.weight"):
+                t = _converter_permute(t, c.num_kv_heads)
+        out.append((new, t))
+    for name, t in out:
+        w.add_tensor(name, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
