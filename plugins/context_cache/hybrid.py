@@ -76,6 +76,8 @@ class HybridPrefixCache(PrefixCache):
     def match(self, request: Request) -> tuple[list[int], int]:
         """Lease the blocks up to the deepest kept checkpoint the prompt matches (leaving a token to compute)."""
         size = self.blocks.block_size
+        if self._unpin(request.request_id):  # matched again (re-admitted) before its first step ran
+            self.store.cancel_restore(request.request_id)
         tracked = _Tracked(kv_salt(request))
         self._tracked[request.request_id] = tracked
         prompt = request.prompt_token_ids

@@ -254,6 +254,19 @@ def test_a_joiner_sharing_a_published_512_token_prefix_computes_only_its_own_tok
     assert _bits(result) == expected
 
 
+def test_a_warmup_prompt_publishes_its_state_for_the_chats_that_start_with_it(tmp_path):
+    path = save_tiny_nemotron_h(tmp_path, seed=3)
+    system = "You answer in one word. " * 6
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with _llm(path, False) as llm:
+        expected = llm.chat(chat, params).token_ids
+    with _llm(path, True, warmup_prompt=system) as llm:
+        assert llm.health()["prefix_cache"]["hits"] == 0
+        assert llm.chat(chat, params).token_ids == expected
+        assert llm.health()["prefix_cache"]["hits"] >= 16
+
+
 def test_random_requests_with_cancellations_on_a_small_cache_leave_nothing_held(tmp_path):
     model_dir = save_tiny_nemotron_h(tmp_path, seed=6)
     specs = _specs(7, n=32)

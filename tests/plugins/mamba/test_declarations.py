@@ -44,6 +44,13 @@ def test_a_checkpoint_interval_without_reuse_is_refused_before_loading_weights(t
         LLM(model=str(tmp_path), plugin="mamba", enable_in_flight_batching=True, hybrid_checkpoint_interval=64)
 
 
+def test_the_serve_flag_reaches_the_plugin(tmp_path):
+    result = CliRunner().invoke(main, ["serve", str(tmp_path), "--plugin", "mamba", "--enable-in-flight-batching",
+                                       "--hybrid-checkpoint-interval", "64"])
+    assert result.exit_code == 1
+    assert "--hybrid-checkpoint-interval sets how often prefix reuse keeps the recurrent state" in result.output
+
+
 def test_a_bad_checkpoint_interval_or_capacity_is_refused(hybrid_dir):
     with pytest.raises(ValueError, match="multiple of the KV block size"):
         LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True,
