@@ -47,15 +47,20 @@ def state_bytes(config: HybridConfig) -> int:
 
 
 def plan_capacity(config: HybridConfig, capacity_tokens: int, block_size: int, interval: int,
-                  num_seats: int) -> CapacityPlan:
+                  num_seats: int, *, may_grow: bool = False) -> CapacityPlan:
     """Split a KV capacity between KV blocks and checkpoint slots (at most half of it for slots).
 
     As many slots as the capacity has checkpoint positions (one per ``interval``
-    tokens) plus one prompt end per seat, if half the capacity holds them.
+    tokens) plus one prompt end per seat, if half the capacity holds them. With
+    ``may_grow`` (the capacity is a default, not the user's) it grows until
+    half of it holds a slot per seat and one more.
     """
     total_blocks = -(-capacity_tokens // block_size)
     block_bytes = 4 * 2 * block_size * config.num_kv_heads * config.head_dim * config.num_attention_layers
     cost = max(1, math.ceil(state_bytes(config) / block_bytes)) if block_bytes else 0
+    if may_grow:
+        total_blocks = max(total_blocks, 2 * (num_seats + 1) * cost)
+        capacity_tokens = total_blocks * block_size
     wanted = -(-capacity_tokens // interval) + num_seats
     slots = min(wanted, total_blocks // 2 // cost) if cost else wanted
     if slots < 1:

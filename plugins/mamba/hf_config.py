@@ -39,9 +39,9 @@ class Fields:
 
     def raw(self, *names: str, default: Any = _REQUIRED) -> Any:
         """The first of ``names`` present and not null (later names are older spellings)."""
-        for name in names:
-            if self.cfg.get(name) is not None:
-                return self.cfg[name]
+        name = self.name_of(*names)
+        if self.cfg.get(name) is not None:
+            return self.cfg[name]
         if default is _REQUIRED:
             raise ConfigError(f"config.json: {names[0]} is missing")
         return default
@@ -49,35 +49,38 @@ class Fields:
     def name_of(self, *names: str) -> str:
         return next((n for n in names if self.cfg.get(n) is not None), names[0])
 
+    def _typed(self, names: tuple[str, ...], default: Any, check) -> Any:
+        """The field through ``check(value, name)``; an absent field is its default, unchecked."""
+        name = self.name_of(*names)
+        if self.cfg.get(name) is None:
+            return self.raw(*names, default=default)
+        return check(self.cfg[name], name)
+
     def int(self, *names: str, default: Any = _REQUIRED) -> int:
-        value = self.raw(*names, default=default)
-        if value is default and default is not _REQUIRED:
+        def check(value: Any, name: str) -> int:
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config.json: {name} must be an integer, not {value!r}")
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config.json: {self.name_of(*names)} must be an integer, not {value!r}")
-        return value
+        return self._typed(names, default, check)
 
     def float(self, *names: str, default: Any = _REQUIRED) -> float:
-        value = self.raw(*names, default=default)
-        if value is default and default is not _REQUIRED:
-            return value
-        return to_float(value, self.name_of(*names))
+        return self._typed(names, default, to_float)
 
     def bool(self, *names: str, default: Any = _REQUIRED) -> bool:
-        value = self.raw(*names, default=default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"config.json: {self.name_of(*names)} must be true or false, not {value!r}")
-        return value
+        def check(value: Any, name: str) -> bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"config.json: {name} must be true or false, not {value!r}")
+            return value
+        return self._typed(names, default, check)
 
     def str(self, *names: str, default: Any = _REQUIRED) -> str:
-        value = self.raw(*names, default=default)
-        if value is default and default is not _REQUIRED:
+        def check(value: Any, name: str) -> str:
+            if not isinstance(value, str):
+                raise ConfigError(f"config.json: {name} must be a string, not {value!r}")
             return value
-        if not isinstance(value, str):
-            raise ConfigError(f"config.json: {self.name_of(*names)} must be a string, not {value!r}")
-        return value
+        return self._typed(names, default, check)
 
 
 def to_float(value: Any, field: str) -> float:

@@ -56,7 +56,8 @@ class HybridRuntime:
         interval = config.options.get("hybrid_checkpoint_interval")
         if config.enable_context_reuse:
             interval = int(interval or DEFAULT_CHECKPOINT_INTERVAL)
-            plan = plan_capacity(model.config, capacity, KV_BLOCK_SIZE, interval, self.num_seats)
+            plan = plan_capacity(model.config, capacity, KV_BLOCK_SIZE, interval, self.num_seats,
+                                 may_grow=config.max_kv_cache_capacity is None)
             self.num_kv_blocks = plan.num_kv_blocks
             self.state_checkpoints = StateCheckpoints(model.config, plan.num_state_slots, interval, KV_BLOCK_SIZE,
                                                       self.device)
