@@ -87,10 +87,11 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -
             ffn=FFN_GRANITE, num_experts=num_experts,
             num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count", 0)) if num_experts else 0,
             shared_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or max(ff)),
-            attention_scale=float(meta.get(f"{arch}.attention.scale", 1.0)),
-            embedding_multiplier=float(meta.get(f"{arch}.embedding_scale", 1.0)),
-            residual_multiplier=float(meta.get(f"{arch}.residual_scale", 1.0)),
-            logits_scaling=float(meta.get(f"{arch}.logit_scale", 1.0)))
+            # absent (or 0, as llama.cpp reads it): 1/sqrt(head_dim), as for Bamba, whose config has no multiplier
+            attention_scale=float(meta[f"{arch}.attention.scale"]) if meta.get(f"{arch}.attention.scale") else None,
+            embedding_multiplier=float(meta.get(f"{arch}.embedding_scale") or 1.0),
+            residual_multiplier=float(meta.get(f"{arch}.residual_scale") or 1.0),
+            logits_scaling=float(meta.get(f"{arch}.logit_scale") or 1.0))
         if meta.get(f"{arch}.rope.scaling.finetuned"):  # llama.cpp's switch for RoPE in this architecture
             head_dim = fields["head_dim"]
             fields.update(rotary_dim=int(meta.get(f"{arch}.rope.dimension_count") or head_dim),
