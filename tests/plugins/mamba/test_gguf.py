@@ -18,7 +18,8 @@ CASES = {
     "nemotron_h": lambda d: save_tiny_nemotron_h(d, seed=5),
     # Granite 4.0 hybrid checkpoints use no position embedding ("nope"), which is all llama.cpp converts
     "granite_moe": lambda d: save_tiny_granite_hybrid(d, seed=5, position_embedding_type="nope"),
-    "granite_dense": lambda d: save_tiny_granite_hybrid(d, seed=6, position_embedding_type=None, num_local_experts=0),
+    "granite_dense": lambda d: save_tiny_granite_hybrid(d, seed=6, position_embedding_type=None, num_local_experts=0,
+                                                        tie_word_embeddings=True),  # as Granite 4.0-H ties them
 }
 
 
@@ -39,6 +40,7 @@ def test_the_file_has_llama_cpps_names_and_layouts(converted):
     assert torch.equal(torch.from_numpy(ssm_a.data.copy()).reshape(-1), -torch.exp(a_log))
     assert len(tensors["blk.0.ssm_conv1d.weight"].shape) == 2 and "blk.0.ssm_dt.bias" in tensors
     assert [int(d) for d in reversed(tensors["blk.0.ssm_norm.weight"].shape)] == [2, state[prefix + "norm.weight"].numel() // 2]
+    assert ("output.weight" in tensors) == ("lm_head.weight" in state)  # tied embeddings: no output tensor
     if "granite_moe" in path.name:
         assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
                 "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_shexp.weight", "blk.0.ffn_down_shexp.weight"} <= set(tensors)
