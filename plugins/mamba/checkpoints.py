@@ -5,7 +5,8 @@ needs every Mamba layer's state at the end of it. During each step the
 runtime captures a sequence's state after the tokens that end a full KV
 block at a *checkpoint position*: every ``interval`` tokens, and the last
 block boundary of the prompt (the end of the prompt, as far as whole blocks
-go). The context cache then keeps a capture in a slot of this pool beside
+go; and the one before when the prompt fills its last block, which is as far
+as the same prompt sent again can reuse). The context cache then keeps a capture in a slot of this pool beside
 the block it belongs to (``save``), and a joiner whose prompt reaches a
 kept checkpoint starts from it (``stage_restore``; applied by the runtime when
 the joiner's first chunk runs).
@@ -97,9 +98,11 @@ class StateCheckpoints:
     def checkpoint_positions(self, seq: ScheduledSeq) -> list[int]:
         """Positions in ``(start, end]`` of this chunk whose state may be kept."""
         bs, start, end = self.block_size, seq.start_pos, seq.start_pos + len(seq.token_ids)
-        prompt_end = seq.num_prompt_tokens // bs * bs
+        # the prompt's last block boundary (prompts that extend it), and the last one before its last
+        # token (the same prompt again: a match always leaves that token to compute)
+        prompt_ends = {seq.num_prompt_tokens // bs * bs, (seq.num_prompt_tokens - 1) // bs * bs}
         first = start // bs * bs + bs
-        return [p for p in range(first, end + 1, bs) if p % self.interval == 0 or p == prompt_end]
+        return [p for p in range(first, end + 1, bs) if p % self.interval == 0 or p in prompt_ends]
 
     def plan(self, seqs: Sequence[ScheduledSeq]) -> list[list[tuple[int, int]]]:
         """Per sequence ``(tokens into its chunk, capture id)`` for ``build_layout``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from ifb.capabilities import DeployConfig
 from ifb.params import SamplingParams
 from ifb.runtime import ScheduledSeq, ScheduledStep
 from ifb_plugins.mamba import load
-from ifb_plugins.mamba.checkpoints import plan_capacity, state_bytes
+from ifb_plugins.mamba.checkpoints import StateCheckpoints, plan_capacity, state_bytes
 from ifb_plugins.mamba.config import HybridConfig
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -41,6 +42,15 @@ def test_a_chunk_captures_the_state_it_had_at_each_checkpoint_inside_it(runtime)
         for layer in range(len(conv)):
             assert torch.equal(store.conv[layer][slot], conv[layer])
             assert torch.equal(store.ssm[layer][slot], ssm[layer])
+
+
+def test_a_prompt_that_fills_its_last_block_keeps_the_boundary_before_it_too(runtime):
+    full = ScheduledSeq(request_id="r", seat=0, token_ids=PROMPT[:40] + (7,) * 8, start_pos=0, block_ids=(0, 1, 2),
+                        is_sampling=True, params=GREEDY, num_prompt_tokens=48, all_token_ids=PROMPT[:40] + (7,) * 8)
+    store = StateCheckpoints(runtime.model.config, num_slots=1, interval=64, block_size=16)
+    # 48: prompts that extend this one; 32: this prompt again (a match leaves its last token to compute)
+    assert store.checkpoint_positions(full) == [32, 48]
+    assert store.checkpoint_positions(attrs.evolve(full, num_prompt_tokens=45)) == [32]
 
 
 def test_a_restored_seat_continues_exactly_as_if_it_had_computed_the_prefix(runtime):
