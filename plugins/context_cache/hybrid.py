@@ -80,7 +80,7 @@ class HybridPrefixCache(PrefixCache):
             self.store.cancel_restore(request.request_id)
         tracked = _Tracked(kv_salt(request))
         self._tracked[request.request_id] = tracked
-        prompt = request.prompt_token_ids
+        prompt = request.all_token_ids()  # a request back from preemption brings its generated tokens too
         keys: list[bytes] = []
         depth = 0  # blocks up to the deepest checkpoint
         parent = b""
