@@ -1,16 +1,16 @@
 """The hybrid runtime: the model driven one scheduled step at a time, state held per seat.
 
-Each seat owns one row of every Mamba layer's conv and SSM state. A request
-keeps its seat from admission to release, so joiners prefill in place: a
-prefill chunk continues from the state its previous chunk left, and nothing
-moves when others join or leave. Seats named in ``ScheduledStep.reset_seats``
-are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
-
 Under ``--enable-context-reuse`` the runtime also keeps recurrent-state
 checkpoints (``checkpoints.StateCheckpoints``, exposed as
 ``state_checkpoints`` for the context cache): each step captures the state at
 the checkpoint positions it crosses, and a joiner staged to resume from a
 checkpoint has it copied into its seat right after the seat is cleared.
+
+Each seat owns one row of every Mamba layer's conv and SSM state. A request
+keeps its seat from admission to release, so joiners prefill in place: a
+prefill chunk continues from the state its previous chunk left, and nothing
+moves when others join or leave. Seats named in ``ScheduledStep.reset_seats``
+are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
 """
 
 from __future__ import annotations
