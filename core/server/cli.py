@@ -57,6 +57,9 @@ def _setup_logging(level: str) -> None:
 @click.option("--enable-context-reuse", is_flag=True, help="Reuse published KV prefixes across requests.")
 @click.option("--max-kv-cache-capacity", type=click.IntRange(min=1), default=None,
               help="Tokens of KV cache to allocate.")
+@click.option("--hybrid-checkpoint-interval", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="(mamba) With --enable-context-reuse, keep the recurrent state every TOKENS tokens (a multiple "
+                   "of the KV block size) besides at each prompt's end.  [default: 256]")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
               help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
 @click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
@@ -96,7 +99,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           allowed_local_media_path: Path | None = None, quantization: str = "auto",
           kv_cache_dtype: str = "auto", max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False) -> None:
+          static_batching: bool = False, hybrid_checkpoint_interval: int | None = None) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     import uvicorn
@@ -126,6 +129,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         options["quantization"] = quantization
     if kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = kv_cache_dtype
+    if hybrid_checkpoint_interval is not None:
+        options["hybrid_checkpoint_interval"] = hybrid_checkpoint_interval
     fields = dict(
         model=model, plugin=plugin, max_batch_size=max_batch_size,
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,

@@ -1,22 +1,23 @@
-"""The mamba plugin: hybrid Mamba-2 / attention decoders (Nemotron-H) under in-flight batching.
+"""The mamba plugin: hybrid Mamba-2 / attention decoders (Nemotron-H, Bamba, Granite 4.0 hybrid)
+under in-flight batching.
 
 Each seat holds its own conv and SSM state beside the paged attention KV;
-joiners prefill in place. Prefix reuse is refused: a reused prefix would need
-the recurrent state at the prefix boundary, which is not checkpointed.
+joiners prefill in place. Under ``--enable-context-reuse`` the runtime keeps
+recurrent-state checkpoints beside the published KV blocks
+(``checkpoints``), so a joiner resumes a shared prefix from its state.
 """
 
 from __future__ import annotations
 
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, OptionSupport, Support
+from ifb.gate import UnsupportedDeployment
 from ifb.options import BLOCKING
 from ifb_plugins.common.caps import TEXT_ENDPOINTS
 
 #: seats are allocated per deployment (--max-batch-size); this bounds what may be asked
 MAX_BUILT_BATCH = 256
 
-PREFIX_REUSE_NOTE = ("prefix reuse needs a checkpoint of the recurrent (conv and SSM) state at the end of the "
-                     "reused prefix, which hybrid Mamba deployments do not keep; the KV blocks alone are not enough")
 
 
 def mamba_options() -> dict[str, OptionSupport]:
@@ -28,10 +29,11 @@ def mamba_options() -> dict[str, OptionSupport]:
             Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),
         # No adapter loader is built for this model, so no path serves a per-request adapter.
         "lora": OptionSupport(Support.NOT_APPLICABLE, reason="No LoRA adapters are built for hybrid Mamba models."),
-        # The capture caches a prefix for later requests: the same recurrent-state gap as prefix reuse.
+        # The legacy capture is not built here; the context cache covers the shared-prefix case.
         "save_system_prompt_kv_cache": OptionSupport(
-            Support.NOT_APPLICABLE, reason="A captured prefix would need a recurrent-state checkpoint, "
-                                           "which this deployment does not keep."),
+            Support.NOT_APPLICABLE, reason="The legacy capture is not built for hybrid models; the context cache "
+                                           "(--enable-context-reuse) reuses a shared prefix with its recurrent-state "
+                                           "checkpoint."),
         "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason="No guided decoder is built."),
         "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only."),
         "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason="Text output only."),
@@ -47,19 +49,24 @@ def declare(config: DeployConfig) -> DeploymentCaps:
         # Proven on CPU by tests/plugins/mamba (batched greedy == alone, bit for bit); not on CUDA yet.
         batch_invariant_verified=device == "cpu",
         options=mamba_options(), endpoints=dict(TEXT_ENDPOINTS),
-        supports_prefix_reuse=False, prefix_reuse_note=PREFIX_REUSE_NOTE,
+        # tests/plugins/context_cache/test_hybrid.py: output with reuse == without, alone and batched
+        supports_prefix_reuse=True,
     )
 
 
 def load(config: DeployConfig):
     from ifb_plugins.mamba.runtime import load_hybrid_runtime
 
+    if config.options.get("hybrid_checkpoint_interval") is not None and not config.enable_context_reuse:
+        raise UnsupportedDeployment("--hybrid-checkpoint-interval sets how often prefix reuse keeps the recurrent "
+                                    "state: add --enable-context-reuse")
     return load_hybrid_runtime(config, declare(config))
 
 
 @hookimpl
 def ifb_deployment_kinds():
     return [DeploymentKind(
-        name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H)", declare=declare, load=load,
-        settings=frozenset({"served_model_name", "max_model_len", "device"}),
-        description="Hybrid Mamba-2 / attention decoder from a Hugging Face Nemotron-H safetensors directory")]
+        name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)", declare=declare,
+        load=load, settings=frozenset({"served_model_name", "max_model_len", "device", "hybrid_checkpoint_interval"}),
+        description="Hybrid Mamba-2 / attention decoder from a Hugging Face Nemotron-H, Bamba or Granite 4.0 hybrid "
+                    "safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

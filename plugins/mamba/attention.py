@@ -1,6 +1,6 @@
 """Paged attention whose result for a token depends only on that token's own context.
 
-The KV layout, the slot mapping and the block tables are the text plugin's
+The KV layout, the slot mapping and the block tables are the shared layer's
 (``ifb_plugins.common.attention``: ``build_attn_metadata`` and ``write_kv``).
 The text plugin's ``paged_attention`` runs one SDPA per prefill chunk and one
 padded SDPA for the decodes; both change a token's rounding with the chunk
@@ -12,7 +12,8 @@ online softmax. Per block the work has a fixed shape, the blocks are visited in
 order, and blocks past a token's context are fully masked, which leaves its
 running max, sum and output exactly unchanged (scale exp(0) = 1, weight 0).
 So a token's output is the same whatever chunk, batch or padding it shares
-the step with. Nemotron-H attention has no position embedding.
+the step with. Position embedding (RoPE, where a family has it) is applied
+to q and k before they get here.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def token_positions(attn: AttnMetadata, device: torch.device | str) -> tuple[tor
 
 
 def blockwise_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata,
-                        token_seq: torch.Tensor, token_pos: torch.Tensor) -> torch.Tensor:
+                        token_seq: torch.Tensor, token_pos: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention of ``q [T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
 
     The step's own K/V must already be written (``write_kv``). ``token_seq``
-    and ``token_pos`` come from ``token_positions``.
+    and ``token_pos`` come from ``token_positions``; ``scale`` defaults to
+    ``1/sqrt(D)``.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -48,7 +50,7 @@ def blockwise_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables = attn.block_tables.index_select(0, token_seq)  # [T, W]
     num_blocks = math.ceil(max(attn.seq_lens_host) / block_size)
     offsets = torch.arange(block_size, device=q.device)
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     running_max = torch.full((num_tokens, num_kv_heads, group), -math.inf, device=q.device)
     running_sum = torch.zeros((num_tokens, num_kv_heads, group), device=q.device)

@@ -1,14 +1,23 @@
-"""Load a Nemotron-H checkpoint directory (config.json, safetensors, tokenizer.json)."""
+"""Load a hybrid checkpoint directory (config.json, safetensors, tokenizer.json) as transformers saves it.
+
+Nemotron-H names its tensors as ``HybridModel`` does (``backbone.*``); Bamba
+and Granite 4.0 hybrid use transformers' ``model.*`` names, which are
+renamed onto ours. Granite's experts are read in both spellings transformers
+uses: the saved ``block_sparse_moe.input_linear`` / ``output_linear`` /
+``router.layer`` and the in-memory ``experts.gate_up_proj`` / ``down_proj`` /
+``router``.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import attrs
 import torch
 
-from ifb_plugins.mamba.config import HybridConfig
+from ifb_plugins.mamba.config import ConfigError, HybridConfig
 from ifb_plugins.mamba.model import HybridModel
 from ifb_plugins.common.hf_loader import load_hf_state_dict
 from ifb_plugins.common.tokenizer import TextTokenizer
@@ -23,36 +32,77 @@ class LoadedHybrid:
 
 
 def load_hybrid_dir(path: str | Path | None) -> LoadedHybrid:
-    """Read a Hugging Face Nemotron-H directory into config, float32 weights and tokenizer."""
+    """Read a Hugging Face hybrid directory (or a llama.cpp GGUF file) into config, float32 weights and
+    tokenizer."""
     if path is None:
         raise ValueError("the mamba plugin needs a local checkpoint directory (config.json, "
-                         "model.safetensors, tokenizer.json); pass its path as the model")
+                         "model.safetensors, tokenizer.json) or a .gguf file; pass its path as the model")
     path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from ifb_plugins.mamba.gguf_loader import load_hybrid_gguf
+
+        config, state, meta = load_hybrid_gguf(path)
+        return LoadedHybrid(config, state, TextTokenizer.from_gguf_metadata(meta), path)
     if not path.is_dir():
         raise FileNotFoundError(f"no such checkpoint directory: {path}")
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint: config.json is missing")
-    config = HybridConfig.from_hf_config(json.loads(config_file.read_text()))
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_file} is not valid JSON: {exc}") from None
+    config = HybridConfig.from_hf_config(raw)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
     return LoadedHybrid(config, load_hf_state_dict(path), tokenizer, path)
 
 
-def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+_LAYER = r"^model\.layers\.(\d+)\."
+_SHARED_RENAMES = [
+    (r"^model\.embed_tokens\.", "backbone.embeddings."),
+    (_LAYER + r"input_layernorm\.", r"backbone.layers.\1.norm."),
+    (_LAYER + r"(?:mamba|self_attn)\.", r"backbone.layers.\1.mixer."),
+]
+_RENAMES = {
     # transformers 5 renames ``backbone.`` to ``model.`` in memory; accept checkpoints saved that way.
+    "nemotron_h": [(r"^model\.", "backbone.")],
+    "bamba": _SHARED_RENAMES + [
+        (r"^model\.final_layernorm\.", "backbone.norm_f."),
+        (_LAYER + r"pre_ff_layernorm\.", r"backbone.layers.\1.ffn_norm."),
+        (_LAYER + r"feed_forward\.", r"backbone.layers.\1.ffn."),
+    ],
+    "granitemoehybrid": _SHARED_RENAMES + [
+        (r"^model\.norm\.", "backbone.norm_f."),
+        (_LAYER + r"post_attention_layernorm\.", r"backbone.layers.\1.ffn_norm."),
+        (_LAYER + r"shared_mlp\.", r"backbone.layers.\1.ffn.shared."),
+        (_LAYER + r"block_sparse_moe\.router\.(?:layer\.)?weight$", r"backbone.layers.\1.ffn.moe.router.weight"),
+        (_LAYER + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)$",
+         r"backbone.layers.\1.ffn.moe.gate_up_proj"),
+        (_LAYER + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)$",
+         r"backbone.layers.\1.ffn.moe.down_proj"),
+    ],
+}
+
+
+def our_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under ``HybridModel``'s parameter names."""
+    rules = [(re.compile(pattern), repl) for pattern, repl in _RENAMES[family]]
     out = {}
     for name, tensor in state.items():
-        if name.startswith("model."):
-            name = "backbone." + name[len("model."):]
+        for pattern, repl in rules:
+            renamed = pattern.sub(repl, name, count=1)
+            if renamed != name:
+                name = renamed
+                break
         out[name] = tensor
     return out
 
 
 def build_hybrid_model(loaded: LoadedHybrid, device: torch.device | str = "cpu") -> HybridModel:
     """Instantiate ``HybridModel`` and load the weights strictly (missing or extra names raise)."""
-    state = _our_names(loaded.state_dict)
+    state = our_names(loaded.config.family, loaded.state_dict)
     if loaded.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):

@@ -1,9 +1,13 @@
-"""Hybrid Mamba-2 / attention decoder (Nemotron-H) driven one engine step at a time.
+"""Hybrid Mamba-2 / attention decoder (Nemotron-H, Bamba, Granite 4.0 hybrid) driven one step at a time.
 
 One ``forward`` runs a ragged step (prefill chunks and decode tokens packed on
 a flat token axis T). Mamba layers read and advance per-seat recurrent state
 in place; attention layers use a paged KV cache. Parameter names follow the
-Hugging Face Nemotron-H layout (``backbone.layers.N.mixer.in_proj.weight``, ...).
+Nemotron-H layout (``backbone.layers.N.mixer.in_proj.weight``, ...); the
+loader renames the other families' checkpoints onto it.
+
+A layer is ``x + r * mixer(norm(x))``, then, in Bamba and Granite, ``x + r *
+ffn(ffn_norm(x))`` (``r``: Granite's residual multiplier, else 1).
 
 Every op is written so that a token's numbers do not depend on its batch mates
 or on how its prompt was chunked (``numerics``, ``attention``, ``ssm``).
@@ -15,13 +19,17 @@ import attrs
 import torch
 from torch import nn
 
-from ifb_plugins.mamba.attention import blockwise_attention
-from ifb_plugins.mamba.config import ATTENTION, MAMBA, HybridConfig
-from ifb_plugins.mamba.layout import StepLayout
-from ifb_plugins.mamba.numerics import silu, token_linear
-from ifb_plugins.mamba.ssm import causal_conv, chunk_scan, selective_state_update
 from ifb_plugins.common.attention import write_kv
-from ifb_plugins.common.model import RMSNorm
+from ifb_plugins.common.model import RMSNorm, apply_rope
+from ifb_plugins.mamba.attention import blockwise_attention
+from ifb_plugins.mamba.config import ATTENTION, FFN_GRANITE, FFN_NONE, FFN_SWIGLU, MAMBA, HybridConfig
+from ifb_plugins.mamba.ffn import GraniteFFN, ReluSquaredMLP, SwiGLU, TokenLinear
+from ifb_plugins.mamba.layout import StepLayout
+from ifb_plugins.mamba.mixer import Mamba2Mixer
+from ifb_plugins.mamba.numerics import token_linear
+
+#: RoPE tables are built in pieces of this many positions, so a position's cos/sin never depend on how many exist
+_ROPE_PIECE = 1024
 
 
 @attrs.define
@@ -31,6 +39,8 @@ class HybridCache:
     conv: list[torch.Tensor]  # per Mamba layer: [seats, conv_dim, K-1]
     ssm: list[torch.Tensor]  # per Mamba layer: [seats, heads, head_dim, state]
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: [blocks, block_size, Hkv, D] twice
+    #: the last step's captures, per Mamba layer: capture id -> conv copy, capture id -> SSM copy
+    captured: list[tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]] = attrs.field(factory=list)
 
     def clear_seats(self, seats: list[int]) -> None:
         """Zero the recurrent state of ``seats`` (a new request starts from nothing)."""
@@ -39,6 +49,9 @@ class HybridCache:
         index = torch.tensor(seats, dtype=torch.long, device=self.conv[0].device)
         for t in (*self.conv, *self.ssm):
             t.index_fill_(0, index, 0.0)
+
+    def start_captures(self) -> None:
+        self.captured = [({}, {}) for _ in self.conv]
 
 
 def allocate_cache(config: HybridConfig, num_seats: int, num_blocks: int, block_size: int,
@@ -58,90 +71,35 @@ def allocate_cache(config: HybridConfig, num_seats: int, num_blocks: int, block_
     )
 
 
-class TokenLinear(nn.Linear):
-    """``nn.Linear`` whose rows are computed one token at a time (see ``numerics.token_linear``)."""
+class Rope:
+    """cos/sin of RoPE on the leading ``rotary_dim`` channels, per position, built as positions are reached."""
 
-    row_invariant = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return token_linear(x, self.weight, self.bias, self.row_invariant)
-
-
-class GatedRMSNorm(nn.Module):
-    """``norm(y * silu(z))`` with the RMS taken over each of ``n_groups`` channel groups."""
-
-    def __init__(self, dim: int, num_groups: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.num_groups = num_groups
-        self.eps = eps
-
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * silu(z.float())
-        grouped = h.view(*h.shape[:-1], self.num_groups, -1)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(h.shape).to(y.dtype)
-
-
-class Mamba2Mixer(nn.Module):
     def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        c = self.config = config
-        inner = c.mamba_intermediate
-        self.in_proj = TokenLinear(c.hidden_size, inner + c.conv_dim + c.mamba_num_heads, bias=c.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim, bias=c.use_conv_bias,
-                                padding=c.conv_kernel - 1)
-        self.A_log = nn.Parameter(torch.zeros(c.mamba_num_heads))
-        self.D = nn.Parameter(torch.ones(c.mamba_num_heads))
-        self.dt_bias = nn.Parameter(torch.zeros(c.mamba_num_heads))
-        self.norm = GatedRMSNorm(inner, c.n_groups, c.layer_norm_epsilon)
-        self.out_proj = TokenLinear(inner, c.hidden_size, bias=c.mamba_proj_bias)
+        d = config.rotary_dim
+        # on the CPU whatever device the model is built on (it is built on "meta" and loaded in place)
+        steps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float()
+        self.inv_freq = 1.0 / (config.rope_theta ** (steps / d))
+        self.pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _conv(self, xbc: torch.Tensor, layout: StepLayout, conv_state: torch.Tensor) -> torch.Tensor:
-        weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        bias = self.conv1d.bias
-        out = torch.empty_like(xbc)
-        if layout.has_decode:
-            idx, seats = layout.decode_token_idx, layout.decode_seats
-            y, new = causal_conv(xbc[idx][:, :, None], conv_state.index_select(0, seats), weight, bias)
-            out[idx] = y[:, :, 0]
-            conv_state.index_copy_(0, seats, new)
-        if layout.has_prefill:
-            packed = xbc[layout.prefill_token_idx]
-            result = torch.empty_like(packed)
-            cu = layout.prefill_cu_seqlens
-            for i, seat in enumerate(layout.prefill_seats):
-                y, new = causal_conv(packed[cu[i]:cu[i + 1]].t()[None], conv_state[seat:seat + 1], weight, bias)
-                result[cu[i]:cu[i + 1]] = y[0].t()
-                conv_state[seat] = new[0]
-            out[layout.prefill_token_idx] = result
-        return out
-
-    def forward(self, x: torch.Tensor, layout: StepLayout, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        num_tokens, heads, groups = x.shape[0], c.mamba_num_heads, c.n_groups
-        z, xbc, dt = self.in_proj(x).split([c.mamba_intermediate, c.conv_dim, heads], dim=-1)
-        xbc = self._conv(xbc, layout, conv_state)
-        xs, B, C = xbc.split([c.mamba_intermediate, groups * c.ssm_state_size, groups * c.ssm_state_size], dim=-1)
-        xs = xs.reshape(num_tokens, heads, c.mamba_head_dim)
-        B = B.reshape(num_tokens, groups, c.ssm_state_size)
-        C = C.reshape(num_tokens, groups, c.ssm_state_size)
-        A = -torch.exp(self.A_log.float())
-        y = torch.empty_like(xs)
-        if layout.has_decode:
-            i = layout.decode_token_idx
-            y[i] = selective_state_update(ssm_state, layout.decode_seats, xs[i], dt[i], A, B[i], C[i],
-                                          self.D, self.dt_bias, c.time_step_limit)
-        if layout.has_prefill:
-            i = layout.prefill_token_idx
-            y[i] = chunk_scan(ssm_state, layout.prefill_seats, layout.prefill_cu_seqlens, xs[i], dt[i],
-                              A, B[i], C[i], self.D, self.dt_bias, c.time_step_limit)
-        return self.out_proj(self.norm(y.reshape(num_tokens, c.mamba_intermediate), z))
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, rotary_dim]``, for ``positions [T]``."""
+        needed = int(positions.max()) // _ROPE_PIECE + 1 if positions.numel() else 0
+        while len(self.pieces) < needed:
+            start = len(self.pieces) * _ROPE_PIECE
+            pos = torch.arange(start, start + _ROPE_PIECE, dtype=torch.int64, device="cpu").float()
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.pieces.append((emb.cos(), emb.sin()))
+            self.table = None
+        if self.table is None or self.table[0].device != positions.device:
+            self.table = tuple(torch.cat([p[k] for p in self.pieces]).to(positions.device) for k in (0, 1))
+        cos, sin = self.table
+        return cos[positions], sin[positions]
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the paged cache; Nemotron-H applies no position embedding."""
+    """Grouped-query attention over the paged cache, with RoPE where the family has it."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -152,52 +110,63 @@ class Attention(nn.Module):
         self.v_proj = TokenLinear(c.hidden_size, kv_size, bias=c.attention_bias)
         self.o_proj = TokenLinear(q_size, c.hidden_size, bias=c.attention_bias)
 
-    def forward(self, x: torch.Tensor, layout: StepLayout, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        d = self.config.rotary_dim
+        rotated = apply_rope(x[..., :d], *rope)
+        return rotated if d == x.shape[-1] else torch.cat([rotated, x[..., d:]], dim=-1)
+
+    def forward(self, x: torch.Tensor, layout: StepLayout, kv: tuple[torch.Tensor, torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
         q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        if rope is not None:
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         k_cache, v_cache = kv
         write_kv(k, v, k_cache, v_cache, layout.attn.slot_mapping)
-        out = blockwise_attention(q, k_cache, v_cache, layout.attn, layout.token_seq, layout.token_pos)
+        out = blockwise_attention(q, k_cache, v_cache, layout.attn, layout.token_seq, layout.token_pos,
+                                  scale=c.softmax_scale)
         return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        self.up_proj = TokenLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = TokenLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())  # relu2
+_FFNS = {FFN_SWIGLU: SwiGLU, FFN_GRANITE: GraniteFFN}
 
 
 class Block(nn.Module):
-    """Pre-norm residual block around one mixer (Mamba, attention or MLP)."""
+    """Pre-norm residual block around one mixer (Mamba, attention or MLP) and the family's feed-forward."""
 
     def __init__(self, config: HybridConfig, kind: str, state_index: int) -> None:
         super().__init__()
         self.kind = kind
         self.state_index = state_index  # which Mamba state / KV cache of the HybridCache this layer owns
+        self.residual_multiplier = config.residual_multiplier
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        mixer = {MAMBA: Mamba2Mixer, ATTENTION: Attention}.get(kind, MLP)
+        mixer = {MAMBA: Mamba2Mixer, ATTENTION: Attention}.get(kind, ReluSquaredMLP)
         self.mixer = mixer(config)
+        if config.ffn != FFN_NONE:
+            self.ffn_norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+            self.ffn = _FFNS[config.ffn](config)
 
-    def forward(self, x: torch.Tensor, layout: StepLayout, cache: HybridCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: StepLayout, cache: HybridCache,
+                rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         h = self.norm(x)
         if self.kind == MAMBA:
-            h = self.mixer(h, layout, cache.conv[self.state_index], cache.ssm[self.state_index])
+            i = self.state_index
+            h = self.mixer(h, layout, cache.conv[i], cache.ssm[i], cache.captured[i])
         elif self.kind == ATTENTION:
-            h = self.mixer(h, layout, cache.kv[self.state_index])
+            h = self.mixer(h, layout, cache.kv[self.state_index], rope)
         else:
             h = self.mixer(h)
-        return x + h
+        x = x + h * self.residual_multiplier
+        if hasattr(self, "ffn"):
+            x = x + self.ffn(self.ffn_norm(x)) * self.residual_multiplier
+        return x
 
 
 class Backbone(nn.Module):
-    """The ``backbone.`` prefix of Nemotron-H checkpoints."""
+    """The ``backbone.`` prefix of Nemotron-H checkpoints (``model.`` in the others, renamed on load)."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -214,7 +183,7 @@ class Backbone(nn.Module):
 
 
 class HybridModel(nn.Module):
-    """A Nemotron-H causal LM whose forward is one ragged engine step."""
+    """A hybrid causal LM whose forward is one ragged engine step."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -223,22 +192,25 @@ class HybridModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = TokenLinear(config.hidden_size, config.vocab_size, bias=False)
         self.row_invariant = True
+        self.rope = Rope(config) if config.rotary_dim else None
 
     def set_row_invariant(self, enabled: bool) -> None:
         """Per-token matmuls (batch-invariant, slower) or plain GEMMs."""
-        self.row_invariant = enabled
         for module in self.modules():
-            if isinstance(module, TokenLinear):
+            if hasattr(module, "row_invariant"):
                 module.row_invariant = enabled
 
     def forward(self, input_ids: torch.Tensor, layout: StepLayout, cache: HybridCache) -> torch.Tensor:
         """Run one step over ``input_ids [T]``; returns normed hidden states ``[T, H]``.
 
-        Advances the recurrent state of the step's seats and writes its K/V.
+        Advances the recurrent state of the step's seats, writes its K/V and
+        fills ``cache.captured`` at the layout's capture points.
         """
-        x = self.backbone.embeddings(input_ids)
+        cache.start_captures()
+        rope = self.rope(layout.token_pos) if self.rope is not None else None
+        x = self.backbone.embeddings(input_ids) * self.config.embedding_multiplier
         for layer in self.backbone.layers:
-            x = layer(x, layout, cache)
+            x = layer(x, layout, cache, rope)
         return self.backbone.norm_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -247,4 +219,4 @@ class HybridModel(nn.Module):
             weight = self.backbone.embeddings.weight
         else:
             weight = self.lm_head.weight
-        return token_linear(hidden, weight, None, self.row_invariant).float()
+        return token_linear(hidden, weight, None, self.row_invariant).float() / self.config.logits_scaling

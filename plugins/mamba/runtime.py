@@ -1,5 +1,11 @@
 """The hybrid runtime: the model driven one scheduled step at a time, state held per seat.
 
+Under ``--enable-context-reuse`` the runtime also keeps recurrent-state
+checkpoints (``checkpoints.StateCheckpoints``, exposed as
+``state_checkpoints`` for the context cache): each step captures the state at
+the checkpoint positions it crosses, and a joiner staged to resume from a
+checkpoint has it copied into its seat right after the seat is cleared.
+
 Each seat owns one row of every Mamba layer's conv and SSM state. A request
 keeps its seat from admission to release, so joiners prefill in place: a
 prefill chunk continues from the state its previous chunk left, and nothing
@@ -20,6 +26,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep, StepOutput
+from ifb_plugins.mamba.checkpoints import DEFAULT_CHECKPOINT_INTERVAL, StateCheckpoints, plan_capacity
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
@@ -41,9 +48,24 @@ class HybridRuntime:
         limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = min(model.config.max_position_embeddings, limit)
         self.kv_block_size = KV_BLOCK_SIZE
-        self.num_kv_blocks = -(-kv_capacity_tokens(config, self.max_model_len) // KV_BLOCK_SIZE)
+        capacity = kv_capacity_tokens(config, self.max_model_len)
+        self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.num_seats = max(1, config.max_batch_size)
         self.device = next(model.parameters()).device
+        self.state_checkpoints: StateCheckpoints | None = None
+        interval = config.options.get("hybrid_checkpoint_interval")
+        if config.enable_context_reuse:
+            interval = int(interval or DEFAULT_CHECKPOINT_INTERVAL)
+            plan = plan_capacity(model.config, capacity, KV_BLOCK_SIZE, interval, self.num_seats,
+                                 may_grow=config.max_kv_cache_capacity is None)
+            self.num_kv_blocks = plan.num_kv_blocks
+            self.state_checkpoints = StateCheckpoints(model.config, plan.num_state_slots, interval, KV_BLOCK_SIZE,
+                                                      self.device)
+            log.info("prefix reuse: %d KV blocks and %d state checkpoint slots (%d blocks each), a checkpoint "
+                     "every %d tokens", plan.num_kv_blocks, plan.num_state_slots, plan.blocks_per_slot, interval)
+        elif interval is not None:
+            raise ValueError("--hybrid-checkpoint-interval sets how often prefix reuse keeps the recurrent state: "
+                             "add --enable-context-reuse")
         self.cache = allocate_cache(model.config, self.num_seats, self.num_kv_blocks, KV_BLOCK_SIZE, self.device)
         self.vocab_size = model.config.vocab_size
 
@@ -62,16 +84,25 @@ class HybridRuntime:
         bad = [s.seat for s in seqs if not 0 <= s.seat < self.num_seats]
         if bad:
             raise ValueError(f"seat {bad[0]} is outside the {self.num_seats} seats this runtime holds state for")
+        store = self.state_checkpoints
+        captures = None
+        if store is not None:
+            store.apply_restores(seqs, self.cache)
+            captures = store.plan(seqs)
         layout = build_layout([(s.seat, s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
-                              self.kv_block_size, self.device)
+                              self.kv_block_size, self.device, captures)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, layout, self.cache)  # [T, H]
+        if store is not None:
+            store.captured(self.cache)
         return sample_step(seqs, hidden, self.model.compute_logits)
 
     def release(self, request_id: str, seat: int) -> None:
         # KV blocks go back through the engine; the recurrent state lives here and is cleared now.
         if 0 <= seat < self.num_seats:
             self.cache.clear_seats([seat])
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.cancel_restore(request_id)
 
     def seat_state(self, seat: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of a seat's conv and SSM state, one per Mamba layer (for inspection)."""

@@ -1,12 +1,22 @@
-"""A tiny random-weight Nemotron-H checkpoint, written once per session and loaded by the real loader."""
+"""Tiny random-weight hybrid models built and saved by transformers, written once per session."""
 
 from __future__ import annotations
 
 import pytest
 
-from ifb_plugins.mamba.testing import save_tiny_hybrid_checkpoint
+from ifb_plugins.mamba.testing import SAVERS, save_tiny_nemotron_h
 
 
 @pytest.fixture(scope="session")
 def hybrid_dir(tmp_path_factory):
-    return save_tiny_hybrid_checkpoint(tmp_path_factory.mktemp("nemotron_h"), seed=0)
+    return save_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, hybrid_dir):
+    """One tiny checkpoint per supported family (Nemotron-H, Bamba, Granite 4.0 hybrid)."""
+    dirs = {"nemotron_h": hybrid_dir}
+    for family, save in SAVERS.items():
+        if family not in dirs:
+            dirs[family] = save(tmp_path_factory.mktemp(family), seed=1)
+    return dirs

@@ -1,4 +1,5 @@
-"""Batched == alone, bit for bit: what ``batch_invariant_verified=True`` promises for the mamba plugin.
+"""Batched == alone, bit for bit: what ``batch_invariant_verified=True`` promises for the mamba plugin,
+for every family it loads (Nemotron-H, Bamba, Granite 4.0 hybrid).
 
 Requests arrive staggered, join mid-flight and prefill in 8-token chunks
 beside decoding batch mates; each must produce exactly the tokens it
@@ -43,10 +44,15 @@ def _bits(result) -> tuple:
     return result.token_ids, tuple((lp.token_id, lp.logprob, lp.top_logprobs) for lp in result.logprobs)
 
 
+@pytest.fixture(scope="module", params=["nemotron_h", "bamba", "granitemoehybrid"])
+def family_dir(request, family_dirs):
+    return family_dirs[request.param]
+
+
 @pytest.fixture(scope="module")
-def alone(hybrid_dir) -> list[tuple]:
+def alone(family_dir) -> list[tuple]:
     """Each request on the blocking path: one request at a time, whole-prompt prefill."""
-    with LLM(model=str(hybrid_dir), plugin="mamba") as llm:
+    with LLM(model=str(family_dir), plugin="mamba") as llm:
         assert not llm.engine.is_in_flight
         return [_bits(llm.engine.submit(spec).result()) for spec in SPECS]
 
@@ -63,8 +69,8 @@ def _record_steps(llm) -> list:
     return steps
 
 
-def test_staggered_chunked_batch_equals_each_request_alone(hybrid_dir, alone):
-    with LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=4,
+def test_staggered_chunked_batch_equals_each_request_alone(family_dir, alone):
+    with LLM(model=str(family_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=4,
              max_num_batched_tokens=8) as llm:
         steps = _record_steps(llm)
         results = submit_staggered(llm.engine, SPECS, gap_steps=2)
@@ -78,8 +84,8 @@ def test_staggered_chunked_batch_equals_each_request_alone(hybrid_dir, alone):
                s.num_prompt_tokens for s in step.seqs) for step in steps)
 
 
-def test_a_cancelled_request_leaves_no_state_in_its_seat(hybrid_dir, alone):
-    with LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=2,
+def test_a_cancelled_request_leaves_no_state_in_its_seat(family_dir, alone):
+    with LLM(model=str(family_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=2,
              max_num_batched_tokens=8) as llm:
         steps = _record_steps(llm)
         runtime = llm.deployment.runtime

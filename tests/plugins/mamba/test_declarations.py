@@ -31,26 +31,41 @@ def test_declaration_is_stepped_seated_per_sequence_and_verified_on_cpu():
     assert not declare(DeployConfig(plugin="mamba", options={"device": "cuda"})).batch_invariant_verified
 
 
-@pytest.mark.parametrize("in_flight", [True, False])
-def test_context_reuse_is_refused_at_start_up_with_the_reason(in_flight):
-    config = DeployConfig(plugin="mamba", enable_in_flight_batching=in_flight, enable_context_reuse=True)
-    with pytest.raises(UnsupportedDeployment, match="--enable-context-reuse is not supported.*recurrent"):
-        check_deployment(declare(config), config)
+def test_context_reuse_is_declared_and_passes_the_gate():
+    config = DeployConfig(plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True)
+    caps = declare(config)
+    assert caps.supports_prefix_reuse  # tests/plugins/context_cache/test_hybrid.py holds it
+    assert check_deployment(caps, config) is None
 
 
-def test_context_reuse_is_refused_before_loading_weights(tmp_path):
-    # tmp_path holds no checkpoint: the refusal must come first, from the declaration.
-    with pytest.raises(UnsupportedDeployment, match="recurrent"):
-        LLM(model=str(tmp_path), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True)
+def test_a_checkpoint_interval_without_reuse_is_refused_before_loading_weights(tmp_path):
+    # tmp_path holds no checkpoint: the refusal must come first.
+    with pytest.raises(UnsupportedDeployment, match="--hybrid-checkpoint-interval.*--enable-context-reuse"):
+        LLM(model=str(tmp_path), plugin="mamba", enable_in_flight_batching=True, hybrid_checkpoint_interval=64)
 
 
-def test_matrix_lists_the_deployment_as_served():
+def test_the_serve_flag_reaches_the_plugin(tmp_path):
+    result = CliRunner().invoke(main, ["serve", str(tmp_path), "--plugin", "mamba", "--enable-in-flight-batching",
+                                       "--hybrid-checkpoint-interval", "64"])
+    assert result.exit_code == 1
+    assert "--hybrid-checkpoint-interval sets how often prefix reuse keeps the recurrent state" in result.output
+
+
+def test_a_bad_checkpoint_interval_or_capacity_is_refused(hybrid_dir):
+    with pytest.raises(ValueError, match="multiple of the KV block size"):
+        LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True,
+            hybrid_checkpoint_interval=40)
+    with pytest.raises(ValueError, match="cannot hold a recurrent-state checkpoint"):
+        LLM(model=str(hybrid_dir), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True,
+            max_kv_cache_capacity=64)
+
+
+def test_matrix_lists_the_deployment_and_its_prefix_reuse_as_served():
     data = json.loads(CliRunner().invoke(main, ["matrix", "--format", "json"]).output)
     rows = {r["deployment"]: r for r in data["deployments"] if r["plugin"] == "mamba"}
-    assert rows.pop("Hybrid Mamba (Nemotron-H)")["status"] == "served"
-    for row in rows.values():  # with the context cache installed: a prefix-reuse row, refused
-        assert "context cache" in row["deployment"] and row["status"] == "rejected"
-        assert "recurrent" in row["note"]
+    title = "Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)"
+    assert rows[title]["status"] == "served"
+    assert rows[f"{title} + context cache (prefix reuse)"]["status"] == "served"
     requests = {r["option"]: r["status"] for r in data["requests"] if r["plugin"] == "mamba"}
     assert requests["Sampling parameters that differ from the resident batch"] == "served"
     assert requests["Per-request LoRA"] == "n/a"

@@ -1,0 +1,159 @@
+"""Load a Nemotron-H or Granite 4.0 hybrid GGUF file, in the layout llama.cpp's converter writes.
+
+llama.cpp names the architectures ``nemotron_h`` and ``granitehybrid``. Its
+converter stores ``A = -exp(A_log)`` as ``ssm_a [H, 1]``, ``D`` as ``[H, 1]``,
+the conv kernel squeezed to ``[C, K]``, ``dt_bias`` as ``ssm_dt.bias``, the
+gated norm as ``[groups, inner / groups]``, Q/K rows in its interleaved RoPE
+order (for both families), and Granite's fused ``input_linear`` matrices split
+into gate and up (``ffn_{gate,up}_exps`` for the experts, ``ffn_{gate,up}_shexp``
+for the shared MLP when there are experts). Which layer is which comes from
+the per-layer ``attention.head_count_kv`` (attention where it is not 0) and,
+for Nemotron-H, ``feed_forward_length`` (an MLP where it is not 0). Every
+tensor is dequantized to float32 and renamed onto ``HybridModel``'s names.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from ifb_plugins.common.gguf_loader import read_metadata
+from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, ConfigError,
+                                      HybridConfig)
+
+ARCHS = {"nemotron_h": "nemotron_h", "granitehybrid": "granitemoehybrid"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # ssm_a, ssm_d: no suffix
+_MIXER = {"ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_out": "mixer.out_proj",
+          "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+          "attn_output": "mixer.o_proj", "attn_norm": "norm", "ffn_norm": "ffn_norm",
+          "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",  # Nemotron-H MLP layers
+          "ffn_gate_inp": "ffn.moe.router", "ffn_down_exps": "ffn.moe.down_proj",
+          "ffn_down_shexp": "ffn.shared.output_linear"}
+
+
+def _per_layer(value: Any, num_layers: int, key: str) -> list[int]:
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * num_layers
+    if len(values) != num_layers:
+        raise ConfigError(f"GGUF {key} lists {len(values)} layers; the file has {num_layers}")
+    return [int(v) for v in values]
+
+
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> HybridConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise ConfigError(f"GGUF architecture {arch!r} is not a hybrid this plugin loads "
+                          f"(supported: {', '.join(ARCHS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ConfigError(f"GGUF metadata {arch}.{name} is missing")
+        return value
+
+    num_layers = int(key("block_count"))
+    kv_heads = _per_layer(key("attention.head_count_kv"), num_layers, "attention.head_count_kv")
+    ff = _per_layer(key("feed_forward_length", 0), num_layers, "feed_forward_length")
+    if arch == "nemotron_h":
+        pattern = "".join(ATTENTION if kv else MLP if f else MAMBA for kv, f in zip(kv_heads, ff))
+    else:
+        pattern = "".join(ATTENTION if kv else MAMBA for kv in kv_heads)
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    inner, mamba_heads = int(key("ssm.inner_size")), int(key("ssm.time_step_rank"))
+    fields: dict[str, Any] = dict(
+        family=ARCHS[arch], pattern=pattern, vocab_size=int(tensors["token_embd.weight"].shape[0]),
+        hidden_size=hidden, num_heads=heads, num_kv_heads=max(kv_heads) or heads,
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        intermediate_size=max(ff), mamba_num_heads=mamba_heads, mamba_head_dim=inner // mamba_heads,
+        ssm_state_size=int(key("ssm.state_size")), n_groups=int(key("ssm.group_count")),
+        conv_kernel=int(key("ssm.conv_kernel")), layer_norm_epsilon=float(key("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensors,
+        use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensors) or MAMBA not in pattern,
+        mamba_proj_bias=any(n.endswith("ssm_in.bias") for n in tensors),
+        attention_bias=any(n.endswith("attn_q.bias") for n in tensors),
+        max_position_embeddings=int(key("context_length")),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in [meta.get("tokenizer.ggml.eos_token_id")] if e is not None),
+        ffn=FFN_NONE,
+    )
+    if arch == "granitehybrid":
+        num_experts = int(meta.get(f"{arch}.expert_count", 0))
+        fields.update(
+            ffn=FFN_GRANITE, num_experts=num_experts,
+            num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count", 0)) if num_experts else 0,
+            shared_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or max(ff)),
+            # absent (or 0, as llama.cpp reads it): 1/sqrt(head_dim), as for Bamba, whose config has no multiplier
+            attention_scale=float(meta[f"{arch}.attention.scale"]) if meta.get(f"{arch}.attention.scale") else None,
+            embedding_multiplier=float(meta.get(f"{arch}.embedding_scale") or 1.0),
+            residual_multiplier=float(meta.get(f"{arch}.residual_scale") or 1.0),
+            logits_scaling=float(meta.get(f"{arch}.logit_scale") or 1.0))
+        if meta.get(f"{arch}.rope.scaling.finetuned"):  # llama.cpp's switch for RoPE in this architecture
+            head_dim = fields["head_dim"]
+            fields.update(rotary_dim=int(meta.get(f"{arch}.rope.dimension_count") or head_dim),
+                          rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)))
+    return HybridConfig(**fields)
+
+
+def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: within each head, rows ``(pair, half)`` -> ``(half, pair)``."""
+    return rows.reshape(n_head, rows.shape[0] // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _our_tensors(raw: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
+    out = {"backbone.embeddings.weight": raw.pop("token_embd.weight"),
+           "backbone.norm_f.weight": raw.pop("output_norm.weight")}
+    if "output.weight" in raw:
+        out["lm_head.weight"] = raw.pop("output.weight")
+    gate_up: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in raw.items():
+        m = _BLOCK.fullmatch(name)
+        if m is None:
+            raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
+        layer, kind, part = int(m.group(1)), m.group(2), m.group(3)
+        p = f"backbone.layers.{layer}."
+        if kind == "ssm_a":
+            out[p + "mixer.A_log"] = torch.log(-t.reshape(-1))
+        elif kind == "ssm_d":
+            out[p + "mixer.D"] = t.reshape(-1)
+        elif kind == "ssm_dt":
+            out[p + "mixer.dt_bias"] = t.reshape(-1)
+        elif kind == "ssm_norm":
+            out[p + "mixer.norm.weight"] = t.reshape(-1)
+        elif kind == "ssm_conv1d" and part == "weight":
+            out[p + "mixer.conv1d.weight"] = t[:, None, :]
+        elif kind in ("attn_q", "attn_k") and part == "weight":
+            out[p + _MIXER[kind] + ".weight"] = _unpermute(t, config.num_heads if kind == "attn_q"
+                                                           else config.num_kv_heads)
+        elif kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_gate") or (
+                kind == "ffn_up" and config.ffn == FFN_GRANITE):
+            which = "moe" if kind.endswith("exps") else "shared"
+            gate_up.setdefault((layer, which), {})["gate" if "gate" in kind else "up"] = t
+        elif kind == "ffn_down" and config.ffn == FFN_GRANITE:  # a dense Granite (no experts)
+            out[p + "ffn.shared.output_linear.weight"] = t
+        elif kind in _MIXER:
+            target = _MIXER[kind]
+            out[p + target + ("" if target.endswith("_proj") and "moe" in target else f".{part}")] = t
+        else:
+            raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
+    for (layer, which), halves in gate_up.items():
+        fused = torch.cat([halves["gate"], halves["up"]], dim=-2)  # transformers' [gate | up] rows
+        name = "ffn.moe.gate_up_proj" if which == "moe" else "ffn.shared.input_linear.weight"
+        out[f"backbone.layers.{layer}.{name}"] = fused
+    return out
+
+
+def load_hybrid_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(config, float32 state dict under HybridModel's names, metadata)`` of a hybrid GGUF file."""
+    reader = gguf.GGUFReader(str(path))
+    meta = read_metadata(reader)
+    raw = {}
+    for t in reader.tensors:
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        raw[t.name] = torch.from_numpy(values.copy().reshape([int(d) for d in reversed(t.shape)]))
+    config = config_from_metadata(meta, raw)
+    return config, _our_tensors(raw, config), meta
