@@ -1,0 +1,114 @@
+"""Multimodal rotary positions (M-RoPE), as Qwen2-VL and Qwen2.5-VL define them.
+
+A token has three position ids, temporal / height / width, instead of one.
+Text tokens carry the same id in all three rows, so for text alone M-RoPE is
+plain RoPE. The ``grid_t x grid_h x grid_w`` tokens of an image all start at
+the position after the text before it: row 0 adds the frame index, row 1 the
+row, row 2 the column. The text after the image continues from the largest
+id so far + 1.
+
+The rotary frequencies ``[D/2]`` are split into ``mrope_section`` runs
+(summing to ``D/2``): run ``i`` rotates by the ids of row ``i % 3``.
+
+A sequence's ids depend only on its own prompt, never on its batch mates: a
+prompt token takes its precomputed ids, and the ``k``-th token of the context
+past the prompt (a generated one) sits at ``k + delta`` in every row, where
+``delta = max id + 1 - prompt length`` (transformers' ``rope_deltas``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class MediaGrid:
+    """Where one media item sits in a prompt: its first placeholder index and its token grid (after merging)."""
+
+    start: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_t * self.grid_h * self.grid_w
+
+
+@attrs.frozen(eq=False)  # a tensor inside: identity, not elementwise, comparison
+class MropePositions:
+    """The M-RoPE ids of a prompt (``[3, P]``, on the host) and the offset of every later token."""
+
+    prompt: torch.Tensor
+    delta: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt.shape[1]
+
+    def span(self, start: int, num_tokens: int) -> torch.Tensor:
+        """Ids ``[3, num_tokens]`` of context positions ``start .. start + num_tokens - 1``."""
+        p = self.num_prompt_tokens
+        head = self.prompt[:, start:min(start + num_tokens, p)]  # [3, <= n], the prompt part
+        tail_start = max(start, p)
+        tail = torch.arange(tail_start, start + num_tokens, dtype=torch.long) + self.delta  # generated tokens
+        return torch.cat((head, tail.expand(3, -1)), dim=1)
+
+
+def prompt_positions(num_prompt_tokens: int, media: Sequence[MediaGrid], time_interval: int = 1) -> MropePositions:
+    """The ids of a prompt whose media occupy ``media`` (in prompt order, not overlapping).
+
+    Equal to transformers' ``Qwen2_5_VLModel.get_rope_index`` for images
+    (``time_interval`` 1); ids stay below the prompt length, so ``delta <= 0``.
+    """
+    rows: list[torch.Tensor] = []
+    at = 0  # next prompt index
+    pos = 0  # next position id
+    for item in sorted(media, key=lambda m: m.start):
+        if item.start < at or item.start + item.num_tokens > num_prompt_tokens:
+            raise ValueError(f"media at prompt index {item.start} ({item.num_tokens} tokens) does not fit "
+                             f"a prompt of {num_prompt_tokens} tokens after index {at}")
+        text = item.start - at
+        rows.append(torch.arange(pos, pos + text, dtype=torch.long).expand(3, -1))
+        pos += text
+        t = torch.arange(item.grid_t, dtype=torch.long) * time_interval
+        h = torch.arange(item.grid_h, dtype=torch.long)
+        w = torch.arange(item.grid_w, dtype=torch.long)
+        grid = torch.stack(torch.meshgrid(t, h, w, indexing="ij")).reshape(3, -1)  # [3, t*h*w], raster order
+        rows.append(grid + pos)
+        # The next text starts after the image's largest spatial extent (transformers' rule).
+        pos += max(item.grid_h, item.grid_w)
+        at = item.start + item.num_tokens
+    rows.append(torch.arange(pos, pos + num_prompt_tokens - at, dtype=torch.long).expand(3, -1))
+    prompt = torch.cat(rows, dim=1)  # [3, P]
+    top = int(prompt.max()) + 1 if prompt.numel() else 0
+    return MropePositions(prompt=prompt, delta=top - num_prompt_tokens)
+
+
+def text_positions(start: int, num_tokens: int) -> torch.Tensor:
+    """Ids ``[3, n]`` of a text-only sequence: its context positions, in all three rows."""
+    return torch.arange(start, start + num_tokens, dtype=torch.long).expand(3, -1)
+
+
+def section_rows(mrope_section: Sequence[int], head_dim: int) -> torch.Tensor:
+    """For each of the ``D`` rotary columns, the position row (0, 1, 2) that rotates it: ``[D]``."""
+    half = head_dim // 2
+    if sum(mrope_section) != half:
+        raise ValueError(f"mrope_section {list(mrope_section)} must sum to half the head dim ({half})")
+    # on the host even while a model is built on the meta device
+    rows = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu") for i, n in enumerate(mrope_section)])
+    return torch.cat((rows, rows))  # the two rotate-half halves share their frequencies
+
+
+def select_sections(table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rotary rows ``[T, 2, D]`` for ids ``positions [3, T]`` out of a per-position ``table [L, 2, D]``.
+
+    Column ``j`` of a token comes from the table row of its id in position row ``rows[j]``.
+    """
+    t = positions.shape[1]
+    per_row = table.index_select(0, positions.reshape(-1)).view(3, t, *table.shape[1:])  # [3, T, 2, D]
+    index = rows.to(table.device).view(1, 1, 1, -1).expand(1, t, table.shape[1], -1)
+    return per_row.gather(0, index)[0]
