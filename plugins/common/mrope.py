@@ -53,8 +53,8 @@ class MropePositions:
         """Ids ``[3, num_tokens]`` of context positions ``start .. start + num_tokens - 1``."""
         p = self.num_prompt_tokens
         head = self.prompt[:, start:min(start + num_tokens, p)]  # [3, <= n], the prompt part
-        tail_start = max(start, p)
-        tail = torch.arange(tail_start, start + num_tokens, dtype=torch.long) + self.delta  # generated tokens
+        end = start + num_tokens
+        tail = torch.arange(min(max(start, p), end), end, dtype=torch.long) + self.delta  # generated tokens
         return torch.cat((head, tail.expand(3, -1)), dim=1)
 
 
