@@ -24,20 +24,6 @@ import attrs
 import torch
 
 
-@attrs.frozen
-class MediaGrid:
-    """Where one media item sits in a prompt: its first placeholder index and its token grid (after merging)."""
-
-    start: int
-    grid_t: int
-    grid_h: int
-    grid_w: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.grid_t * self.grid_h * self.grid_w
-
-
 @attrs.frozen(eq=False)  # a tensor inside: identity, not elementwise, comparison
 class MropePositions:
     """The M-RoPE ids of a prompt (``[3, P]``, on the host) and the offset of every later token."""
@@ -58,30 +44,36 @@ class MropePositions:
         return torch.cat((head, tail.expand(3, -1)), dim=1)
 
 
-def prompt_positions(num_prompt_tokens: int, media: Sequence[MediaGrid], time_interval: int = 1) -> MropePositions:
-    """The ids of a prompt whose media occupy ``media`` (in prompt order, not overlapping).
+def grid_ids(grid_t: int, grid_h: int, grid_w: int, time_interval: int = 1) -> torch.Tensor:
+    """Relative ids ``[3, t*h*w]`` of a media item's tokens in raster order: frame, row, column."""
+    t = torch.arange(grid_t, dtype=torch.long) * time_interval
+    h = torch.arange(grid_h, dtype=torch.long)
+    w = torch.arange(grid_w, dtype=torch.long)
+    return torch.stack(torch.meshgrid(t, h, w, indexing="ij")).reshape(3, -1)
 
-    Equal to transformers' ``Qwen2_5_VLModel.get_rope_index`` for images
-    (``time_interval`` 1); ids stay below the prompt length, so ``delta <= 0``.
+
+def prompt_positions(num_prompt_tokens: int, media: Sequence[tuple[int, torch.Tensor]]) -> MropePositions:
+    """The ids of a prompt whose media spans are ``(first prompt index, relative ids [3, n])``.
+
+    A span's ids are offset by the id after the text before it, and the text
+    after it continues from the span's largest id + 1. For whole images
+    (``grid_ids``) this is transformers' ``Qwen2_5_VLModel.get_rope_index``;
+    the ids stay below the prompt length there, so ``delta <= 0``.
     """
     rows: list[torch.Tensor] = []
     at = 0  # next prompt index
     pos = 0  # next position id
-    for item in sorted(media, key=lambda m: m.start):
-        if item.start < at or item.start + item.num_tokens > num_prompt_tokens:
-            raise ValueError(f"media at prompt index {item.start} ({item.num_tokens} tokens) does not fit "
+    for start, ids in sorted(media, key=lambda m: m[0]):
+        n = ids.shape[1]
+        if start < at or start + n > num_prompt_tokens:
+            raise ValueError(f"a media span at prompt index {start} ({n} tokens) does not fit "
                              f"a prompt of {num_prompt_tokens} tokens after index {at}")
-        text = item.start - at
-        rows.append(torch.arange(pos, pos + text, dtype=torch.long).expand(3, -1))
-        pos += text
-        t = torch.arange(item.grid_t, dtype=torch.long) * time_interval
-        h = torch.arange(item.grid_h, dtype=torch.long)
-        w = torch.arange(item.grid_w, dtype=torch.long)
-        grid = torch.stack(torch.meshgrid(t, h, w, indexing="ij")).reshape(3, -1)  # [3, t*h*w], raster order
-        rows.append(grid + pos)
-        # The next text starts after the image's largest spatial extent (transformers' rule).
-        pos += max(item.grid_h, item.grid_w)
-        at = item.start + item.num_tokens
+        rows.append(torch.arange(pos, pos + start - at, dtype=torch.long).expand(3, -1))
+        pos += start - at
+        span = ids.to(torch.long).cpu() + pos
+        rows.append(span)
+        pos = int(span.max()) + 1 if n else pos
+        at = start + n
     rows.append(torch.arange(pos, pos + num_prompt_tokens - at, dtype=torch.long).expand(3, -1))
     prompt = torch.cat(rows, dim=1)  # [3, P]
     top = int(prompt.max()) + 1 if prompt.numel() else 0
@@ -91,6 +83,11 @@ def prompt_positions(num_prompt_tokens: int, media: Sequence[MediaGrid], time_in
 def text_positions(start: int, num_tokens: int) -> torch.Tensor:
     """Ids ``[3, n]`` of a text-only sequence: its context positions, in all three rows."""
     return torch.arange(start, start + num_tokens, dtype=torch.long).expand(3, -1)
+
+
+def step_positions(spans: Sequence[tuple[MropePositions | None, int, int]]) -> torch.Tensor:
+    """Ids ``[3, T]`` of a step: per sequence ``(its positions or None for text alone, start, num_tokens)``."""
+    return torch.cat([text_positions(start, n) if mp is None else mp.span(start, n) for mp, start, n in spans], dim=1)
 
 
 def section_rows(mrope_section: Sequence[int], head_dim: int) -> torch.Tensor:

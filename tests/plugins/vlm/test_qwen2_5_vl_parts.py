@@ -14,9 +14,9 @@ from ifb_plugins.common.attention import build_attn_metadata
 from ifb_plugins.common.hf_loader import load_hf_state_dict
 from ifb_plugins.common.loader import LoadedCheckpoint, build_model
 from ifb_plugins.common.model import allocate_kv_cache
-from ifb_plugins.common.mrope import MediaGrid, prompt_positions
-from ifb_plugins.vlm.qwen2_5_vl import Qwen2_5VisionTower
-from ifb_plugins.vlm.qwen2_5_vl_checkpoint import Qwen2_5VLConfig, split_state
+from ifb_plugins.common.mrope import grid_ids, prompt_positions
+from ifb_plugins.vlm.qwen2_5_vl_vision import Qwen2_5VisionTower
+from ifb_plugins.vlm.qwen2_5_vl import Qwen2_5VLConfig, split_state
 from ifb_plugins.vlm.qwen2_5_vl_image import QwenVLImageProcessing
 from ifb_plugins.vlm.testing_qwen2_5_vl import (
     IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, load_processor, save_tiny_qwen2_5_vl,
@@ -92,7 +92,8 @@ def test_vision_features_equal_transformers(ours, processor, reference, size):
     with torch.no_grad():
         expected = reference.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output[0]
     pixels, grid = pre(img)
-    features = tower(torch.from_numpy(pixels), grid)
+    features, importance = tower(torch.from_numpy(pixels), grid)
+    assert importance.shape == (features.shape[0],) and importance.sum() > 0
     assert features.shape == expected.shape
     assert expected.abs().max() > 0.1  # not a degenerate random model
     assert (features - expected).abs().max() <= 1e-4
@@ -110,9 +111,10 @@ def _prompt(processor, images, texts):
     return processor(text=[rendered], images=images or None, return_tensors="pt")
 
 
-def _media(ids: list[int], grids, merge: int) -> list[MediaGrid]:
+def _media(ids: list[int], grids, merge: int) -> list[tuple[int, torch.Tensor]]:
+    """``(first index, relative ids)`` of each image span in a prompt."""
     starts = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and ids[i - 1] == VISION_START_ID]
-    return [MediaGrid(s, int(t), int(h) // merge, int(w) // merge) for s, (t, h, w) in zip(starts, grids)]
+    return [(s, grid_ids(int(t), int(h) // merge, int(w) // merge)) for s, (t, h, w) in zip(starts, grids)]
 
 
 def test_mrope_positions_equal_get_rope_index(processor, reference):
@@ -140,12 +142,12 @@ def test_decoder_logits_with_mrope_equal_transformers(ours, processor, reference
     media = _media(ids, inputs["image_grid_thw"].tolist(), config.vision.spatial_merge_size)
     positions = prompt_positions(len(ids), media)
     embeds = text.model.embed_tokens(torch.tensor(ids)).detach().clone()
-    for item, img in zip(media, imgs):
-        features = tower(torch.from_numpy(pre(img)[0]), pre(img)[1])
-        embeds[item.start:item.start + item.num_tokens] = features
+    for (start, ids_rel), img in zip(media, imgs):
+        features = tower(torch.from_numpy(pre(img)[0]), pre(img)[1])[0]
+        embeds[start:start + ids_rel.shape[1]] = features
     caches = allocate_kv_cache(config.text, 16, 16)
     blocks = list(range(16))
-    cut = media[0].start + 3  # the first chunk ends inside the first image
+    cut = media[0][0] + 3  # the first chunk ends inside the first image
     chunks = [(0, cut), (cut, len(ids))] + [(len(ids) + k, len(ids) + k + 1) for k in range(2)]
     all_ids = ids + generated
     with torch.no_grad():
