@@ -274,13 +274,14 @@ class TextModel(nn.Module):
     ) -> torch.Tensor:
         """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``.
 
-        An M-RoPE model (``config.mrope_section``) takes ``positions [3, T]``, none above its context index.
+        An M-RoPE model (``config.mrope_section``) takes ``positions [3, T]``.
 
         Writes the step's K/V into ``kv_caches`` (one pair per layer) at ``attn.slot_mapping``.
         ``input_embeds [T, H]``, when given, replaces the token embeddings (media splicing).
         """
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
-        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host))
+        # M-RoPE ids of a pruned image may pass its context index: read their bound from the ids
+        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host) if positions.dim() == 1 else None)
         if self.decoder_impl is not None:
             x = self.decoder_impl(x, cos, sin, attn, kv_caches)
         else:

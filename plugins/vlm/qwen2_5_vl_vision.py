@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ifb_plugins.common.model import RMSNorm
-from ifb_plugins.vlm.encoders import activation
+from ifb_plugins.vlm.vision import activation
 
 #: the tower's RMSNorms, fixed in the reference implementation (not in the config)
 NORM_EPS = 1e-6
@@ -222,14 +222,15 @@ class Qwen2_5VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        quarter = cfg.head_dim // 2  # rows and columns each rotate half of the head dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [d/4]
 
-    def rotary(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[N, d]``: the first half of each head rotates by row, the second by column."""
-        pos = patch_positions(*grid, self.config.spatial_merge_size).to(self.inv_freq.device)  # [N, 2]
-        freqs = pos[..., None].float() * self.inv_freq.float()  # [N, 2, d/4]
+        cfg = self.config
+        half = cfg.head_dim // 2  # rows and columns each rotate half of the head dim
+        # float32 from the config, never a cast buffer (the tower may be built on the meta device)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+        pos = patch_positions(*grid, cfg.spatial_merge_size).to(device)  # [N, 2]
+        freqs = pos[..., None].float() * inv_freq  # [N, 2, d/4]
         emb = freqs.flatten(1)  # [N, d/2]: row frequencies, then column frequencies
         emb = torch.cat((emb, emb), dim=-1)  # [N, d]
         return emb.cos(), emb.sin()
@@ -259,7 +260,7 @@ class Qwen2_5VisionTower(nn.Module):
             return x.reshape(n // unit, unit, -1).index_select(0, order).reshape(n, -1)
 
         x = by_window(self.patch_embed(pixel_values))  # [N, D]
-        cos, sin = (by_window(c) for c in self.rotary(grid))  # [N, d]
+        cos, sin = (by_window(c) for c in self.rotary(grid, pixel_values.device))  # [N, d]
         received = None
         for i, block in enumerate(self.blocks):
             bounds = full_bounds if i in cfg.fullatt_block_indexes else window_bounds

@@ -23,6 +23,7 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
 from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.mrope import prompt_positions, step_positions
 from ifb_plugins.common.runtime import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
 from ifb_plugins.vlm.media import MediaItem, parse_messages
@@ -30,7 +31,7 @@ from ifb_plugins.vlm.pruning import prune
 
 #: ``Prepared.extras`` keys: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order; the KV salt (a
 #: digest of the media bytes, for the context cache); a marker that the request carries media; and
-#: ``[(first prompt index, position ids [3, n])]`` for families with multi-axis positions (M-RoPE).
+#: the prompt's ``mrope.MropePositions`` for families with multi-axis positions (M-RoPE).
 MEDIA_EMBEDS, KV_SALT, MEDIA, MEDIA_POSITIONS = "media_embeds", "kv_salt", "media", "media_positions"
 
 #: audio arrives resampled to this rate unless an encoder asks for another
@@ -90,7 +91,7 @@ class VlmRuntime(TextRuntime):
                                  f"is {self.max_model_len}")
         extras = {**prepared.extras, MEDIA_EMBEDS: spans, KV_SALT: salt.hexdigest(), MEDIA: True}
         if positions:
-            extras[MEDIA_POSITIONS] = positions
+            extras[MEDIA_POSITIONS] = prompt_positions(len(expanded), positions)
         return Prepared(tuple(expanded), extras)
 
     def _render(self, messages: list[dict]) -> str:
@@ -117,6 +118,13 @@ class VlmRuntime(TextRuntime):
         return encoded
 
     # ---- stepped execution ----
+    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+        """M-RoPE decoders take ``[3, T]`` ids, each sequence's from its own prompt (text alone: its index)."""
+        if self.model.config.mrope_section is None:
+            return super().step_positions(step)
+        spans = [(s.extras.get(MEDIA_POSITIONS), s.start_pos, len(s.token_ids)) for s in step.seqs]
+        return step_positions(spans).to(self.device)
+
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with each chunk's media rows replaced by their media embeddings.
 
