@@ -18,6 +18,8 @@ import attrs
 import numpy as np
 from PIL import Image
 
+from ifb_plugins.vlm.image_ops import normalize, rescale, resample_filter, resize, to_array, to_rgb
+
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD``, the processor's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -39,15 +41,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB with any transparency composited over white (the processor's ``convert_to_rgb``)."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 @attrs.frozen
@@ -76,16 +69,12 @@ class QwenVLImageProcessing:
         size = cfg.get("size") or {}
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or base.min_pixels
         max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or base.max_pixels
-        try:
-            resample = Image.Resampling(int(cfg.get("resample", base.resample)))
-        except (TypeError, ValueError):
-            raise ValueError(f"image processor resample {cfg.get('resample')!r} is not a PIL filter") from None
         return cls(
             min_pixels=int(min_pixels), max_pixels=int(max_pixels),
             patch_size=int(cfg.get("patch_size", base.patch_size)),
             temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
             merge_size=int(cfg.get("merge_size", base.merge_size)),
-            resample=resample,
+            resample=resample_filter(cfg.get("resample", base.resample)),
             do_resize=bool(cfg.get("do_resize", base.do_resize)),
             do_rescale=bool(cfg.get("do_rescale", base.do_rescale)),
             rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
@@ -105,18 +94,12 @@ class QwenVLImageProcessing:
 
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """``pixel_values [grid_h * grid_w, C * T * P * P]`` float32 and ``(grid_t, grid_h, grid_w)`` in patches."""
-        image = _to_rgb(image) if self.do_convert_rgb else image
+        pixels = to_array(to_rgb(image) if self.do_convert_rgb else image)  # [C, H, W] uint8
         if self.do_resize:
-            height, width = self.resized_size(image.height, image.width)
-            image = image.resize((width, height), resample=self.resample)
-        pixels = np.moveaxis(np.asarray(image), -1, 0)  # [C, H, W] uint8
-        # float64 multiply, then float32 (transformers' rescale); the normalization runs in float32
-        out = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32) if self.do_rescale \
-            else pixels.astype(np.float32)
+            pixels = resize(pixels, *self.resized_size(*pixels.shape[1:]), self.resample)
+        out = rescale(pixels, self.rescale_factor) if self.do_rescale else pixels.astype(np.float32)
         if self.do_normalize:
-            mean = np.asarray(self.image_mean, dtype=np.float32)
-            std = np.asarray(self.image_std, dtype=np.float32)
-            out = ((out.T - mean) / std).T
+            out = normalize(out, self.image_mean, self.image_std)
         return self.patchify(out)
 
     def patchify(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:

@@ -14,7 +14,7 @@ from PIL import Image
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.vlm.testing_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen2_5_vl
+from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen2_5_vl
 
 from tests.helpers import submit_staggered
 

@@ -18,7 +18,7 @@ from ifb_plugins.common.mrope import grid_ids, prompt_positions
 from ifb_plugins.vlm.qwen2_5_vl_vision import Qwen2_5VisionTower
 from ifb_plugins.vlm.qwen2_5_vl import Qwen2_5VLConfig, split_state
 from ifb_plugins.vlm.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.vlm.testing_qwen2_5_vl import (
+from tests.plugins.vlm.tiny_qwen2_5_vl import (
     IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, load_processor, save_tiny_qwen2_5_vl,
 )
 
@@ -159,3 +159,19 @@ def test_decoder_logits_with_mrope_equal_transformers(ours, processor, reference
                 continue
             logits = text.compute_logits(hidden[-1:])[0]
             assert (logits - out.logits[step - 1][0]).abs().max() <= 1e-4
+
+
+def test_both_weight_layouts_load_the_same_model(checkpoint, tmp_path):
+    """``model.visual.*`` / ``model.language_model.*`` (the module tree's names) read as the hub's layout."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    modules = save_tiny_qwen2_5_vl(tmp_path / "modules", seed=5, layout="modules")
+    raw = load_hf_state_dict(modules)
+    assert any(k.startswith("model.language_model.") for k in raw) and any(k.startswith("model.visual.") for k in raw)
+    hub_text, hub_vision = split_state(load_hf_state_dict(checkpoint))
+    text, vision = split_state(raw)
+    for ours_part, hub_part in ((text, hub_text), (vision, hub_vision)):
+        assert ours_part.keys() == hub_part.keys()
+        assert all(torch.equal(ours_part[k], hub_part[k]) for k in ours_part)
+    _, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(modules), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]

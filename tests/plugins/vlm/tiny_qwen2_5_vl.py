@@ -1,21 +1,21 @@
-"""Test helpers: a tiny random ``Qwen2_5_VLForConditionalGeneration`` and its processor, as transformers saves them.
+"""A tiny random ``Qwen2_5_VLForConditionalGeneration`` and its processor, as transformers saves them.
 
 The model and the image processor are transformers' own classes
 (``save_pretrained``); the tokenizer is the shared tiny BPE plus Qwen's vision
 special tokens, with Qwen2-VL's chat template. Nothing here writes a weight
-layout by hand.
+layout: ``layout="hub"`` is what ``save_pretrained`` writes (``visual.*``,
+``model.*``), ``layout="modules"`` the model's own module names
+(``model.visual.*``, ``model.language_model.*``), saved with transformers'
+weight conversions turned off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
-import torch
-
-from ifb_plugins.common.testing import train_tiny_tokenizer
+from tests.plugins.vlm import tiny
 
 #: Qwen2-VL / Qwen2.5-VL's chat template as the hub ships it
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -62,19 +62,6 @@ def tiny_config(**vision: Any):
         vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Fan-in scaled weights, so features and logits are O(1) (transformers' 0.02 init leaves them flat)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(math.prod(param.shape[1:])))
-        elif "norm" in name or "ln_q" in name:
-            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-        else:
-            param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-
-
 @contextlib.contextmanager
 def _without_video_processor() -> Iterator[None]:
     # The video processor needs torchvision, which this environment lacks; the processor's
@@ -105,21 +92,19 @@ def load_processor(directory: str | Path):
                                    chat_template=tokenizer.chat_template)
 
 
-def save_tiny_qwen2_5_vl(directory: str | Path, seed: int = 0, **vision: Any) -> Path:
+def save_tiny_qwen2_5_vl(directory: str | Path, seed: int = 0, layout: Literal["hub", "modules"] = "hub",
+                         **vision: Any) -> Path:
     """Save a tiny random model, its image processor and tokenizer (with the chat template); returns the dir."""
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     directory = Path(directory)
-    torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(tiny_config(**vision)).eval()
-    _randomize(model, seed)
+    tiny.redraw(model, seed)
+    if layout == "modules":
+        model._weight_conversions = []  # no renaming on save: the module tree's names
     model.save_pretrained(str(directory))
-    tok = train_tiny_tokenizer(300)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                        pad_token="<|endoftext|>")
+    tokenizer = tiny.tiny_tokenizer(*VISION_TOKENS)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(directory))
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(str(directory))
