@@ -191,3 +191,18 @@ def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
 def test_an_image_too_elongated_for_the_processor_is_refused(llm):
     with pytest.raises(InvalidRequest, match="aspect ratio"):
         llm.engine.submit(ours(["Look:", picture(0, 2, 500)]))
+
+
+def test_a_heavily_pruned_image_may_place_text_past_its_context_index(pruned):
+    """Kept tokens keep their grid ids, so 2 of a 3x6 grid's tokens still span 6 columns: ids run ahead."""
+    runtime = pruned.deployment.runtime
+    spec = ours(PROMPTS["non-square, shrunk"])
+    runtime.pruner_ratio = 0.1
+    try:
+        prepared = runtime.prepare(spec)
+        result = alone(pruned, spec)
+    finally:
+        runtime.pruner_ratio = 0.5
+    assert prepared.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2
+    assert prepared.extras["media_positions"].delta > 0
+    assert len(result.token_ids) == NUM_TOKENS
