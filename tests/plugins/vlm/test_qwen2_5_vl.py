@@ -206,3 +206,18 @@ def test_a_heavily_pruned_image_may_place_text_past_its_context_index(pruned):
     assert prepared.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2
     assert prepared.extras["media_positions"].delta > 0
     assert len(result.token_ids) == NUM_TOKENS
+
+
+def test_blocking_path_and_context_reuse_keep_the_mrope_positions(checkpoint, llm):
+    """A prefix leased from the cache was computed at the same ids; the blocking path uses them too."""
+    long_prompt = ["A long shared preamble about paged attention and block tables. " * 3, picture(1, 56, 56),
+                   "What is in this picture?"]
+    specs = [ours(long_prompt), ours(PROMPTS["two images"]), ours(long_prompt)]
+    expected = [trace(alone(llm, s)) for s in specs]
+    with LLM(str(checkpoint), plugin="vlm", enable_in_flight_batching=True, enable_context_reuse=True) as cached:
+        got = [trace(alone(cached, s)) for s in specs]
+        hits = cached.health()["prefix_cache"]["hits"]
+    assert got == expected and hits >= 1
+    with LLM(str(checkpoint), plugin="vlm") as blocking:
+        assert not blocking.engine.is_in_flight
+        assert trace(blocking.engine.submit(specs[1]).result()) == expected[1]
