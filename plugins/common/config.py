@@ -86,6 +86,8 @@ class TextModelConfig:
     sliding_window: int | None = None
     #: M-RoPE (Qwen2-VL): the rotary frequency runs ``[D/2]`` rotated by temporal / height / width ids
     mrope_section: tuple[int, ...] | None = None
+    #: the runs interleaved over the frequencies (Qwen3-VL) rather than contiguous
+    mrope_interleaved: bool = False
 
     @property
     def q_size(self) -> int:

@@ -240,7 +240,8 @@ class TextModel(nn.Module):
         # cos / signed sin per position, grown on demand; rebuilt if inv_freq is replaced
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # M-RoPE: the position row (0-2) of each rotary column, for ``positions [3, T]``
-        self._mrope_rows = section_rows(config.mrope_section, config.head_dim) if config.mrope_section else None
+        self._mrope_rows = (section_rows(config.mrope_section, config.head_dim, config.mrope_interleaved)
+                            if config.mrope_section else None)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
               num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

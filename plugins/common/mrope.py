@@ -90,13 +90,24 @@ def step_positions(spans: Sequence[tuple[MropePositions | None, int, int]]) -> t
     return torch.cat([text_positions(start, n) if mp is None else mp.span(start, n) for mp, start, n in spans], dim=1)
 
 
-def section_rows(mrope_section: Sequence[int], head_dim: int) -> torch.Tensor:
-    """For each of the ``D`` rotary columns, the position row (0, 1, 2) that rotates it: ``[D]``."""
+def section_rows(mrope_section: Sequence[int], head_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """For each of the ``D`` rotary columns, the position row (0, 1, 2) that rotates it: ``[D]``.
+
+    Contiguous runs (Qwen2-VL, Qwen2.5-VL), or, ``interleaved`` (Qwen3-VL), frequency ``j``
+    rotated by row ``j % 3`` while that row's run lasts (``j < 3 * mrope_section[row]``), else by row 0.
+    """
     half = head_dim // 2
     if sum(mrope_section) != half:
         raise ValueError(f"mrope_section {list(mrope_section)} must sum to half the head dim ({half})")
     # on the host even while a model is built on the meta device
-    rows = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu") for i, n in enumerate(mrope_section)])
+    if interleaved:
+        j = torch.arange(half, device="cpu")
+        rows = torch.zeros(half, dtype=torch.long, device="cpu")
+        for row in (1, 2):
+            rows[(j % 3 == row) & (j < 3 * mrope_section[row])] = row
+    else:
+        rows = torch.cat([torch.full((n,), i % 3, dtype=torch.long, device="cpu")
+                          for i, n in enumerate(mrope_section)])
     return torch.cat((rows, rows))  # the two rotate-half halves share their frequencies
 
 

@@ -130,7 +130,7 @@ def image_processing(files: ProcessorFiles, vision: Qwen2_5VisionConfig) -> Qwen
     kind = files.image_processor.get("image_processor_type")
     if kind is not None and kind not in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil",
                                          "Qwen2VLImageProcessorFast"):
-        raise ValueError(f"image processor {kind!r} is not supported for Qwen2.5-VL (Qwen2VLImageProcessor)")
+        raise ValueError(f"image processor {kind!r} is not supported for Qwen2.5-VL and Qwen3-VL (Qwen2VLImageProcessor)")
     processing = QwenVLImageProcessing.from_hf(files.image_processor)
     got = (processing.patch_size, processing.merge_size, processing.temporal_patch_size)
     want = (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)

@@ -80,16 +80,17 @@ def _without_video_processor() -> Iterator[None]:
         ProcessorMixin.check_argument_for_proper_class = original
 
 
-def load_processor(directory: str | Path):
-    """transformers' ``Qwen2_5_VLProcessor`` (PIL image processor, no video) from a saved directory."""
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+def load_processor(directory: str | Path, family: Literal["qwen2_5_vl", "qwen3_vl"] = "qwen2_5_vl"):
+    """transformers' ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` (PIL image processor, no video) from a dir."""
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(directory))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen3VLProcessor
     with _without_video_processor():
-        return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                                   chat_template=tokenizer.chat_template)
+        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                   chat_template=tokenizer.chat_template)
 
 
 def save_tiny_qwen2_5_vl(directory: str | Path, seed: int = 0, layout: Literal["hub", "modules"] = "hub",
@@ -108,4 +109,38 @@ def save_tiny_qwen2_5_vl(directory: str | Path, seed: int = 0, layout: Literal["
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(directory))
     Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(str(directory))
+    return directory
+
+
+def tiny_qwen3_config():
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         bos_token_id=0, eos_token_id=EOS_TOKEN_ID, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
+
+
+def save_tiny_qwen3_vl(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny random ``Qwen3VLForConditionalGeneration`` (two DeepStack layers), its image processor
+    (32-pixel merged tokens) and tokenizer, with the Qwen2-VL chat template (the same image placeholders)."""
+    from transformers import Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    directory = Path(directory)
+    model = Qwen3VLForConditionalGeneration(tiny_qwen3_config()).eval()
+    tiny.redraw(model, seed)
+    model.save_pretrained(str(directory))
+    tokenizer = tiny.tiny_tokenizer(*VISION_TOKENS)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 24).save_pretrained(
+        str(directory))
     return directory
