@@ -26,6 +26,8 @@ from ifb_plugins.common.tokenizer import TextTokenizer
 #: the decoder's weight prefixes, each with what it becomes in ``TextModel``'s names
 TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                  ("model.language_model.", "model."), ("language_model.", "model."), ("lm_head.", "lm_head."))
+#: Idefics3's and SmolVLM's decoder
+TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("lm_head.", "lm_head."))
 
 
 def read_json(path: Path, name: str) -> dict[str, Any]:
@@ -51,18 +53,18 @@ class ProcessorFiles:
         return cls(processor, dict(image), dict(audio))
 
 
-def split_state(state: Mapping[str, torch.Tensor], parts: Mapping[str, Sequence[str]],
-                where: str = "checkpoint") -> dict[str, dict[str, torch.Tensor]]:
+def split_state(state: Mapping[str, torch.Tensor], parts: Mapping[str, Sequence[str]], where: str = "checkpoint",
+                text_prefixes: Sequence[tuple[str, str]] = TEXT_PREFIXES) -> dict[str, dict[str, torch.Tensor]]:
     """Group the weights by part: ``parts`` maps a part to its prefixes (any layout), which are stripped.
 
-    The decoder is the part ``"text"`` (``TEXT_PREFIXES``, renamed to ``TextModel``'s names). A weight
+    The decoder is the part ``"text"`` (``text_prefixes``, renamed to ``TextModel``'s names). A weight
     in no part is an error. Longer prefixes go first in ``parts`` (``vision_tower.vision_model.``
     before ``vision_tower.``).
     """
     out: dict[str, dict[str, torch.Tensor]] = {"text": {}, **{p: {} for p in parts}}
     stray = []
     for name, tensor in state.items():
-        for prefix, renamed in TEXT_PREFIXES:
+        for prefix, renamed in text_prefixes:
             if name.startswith(prefix):
                 out["text"][renamed + name[len(prefix):]] = tensor
                 break

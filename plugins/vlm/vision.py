@@ -37,8 +37,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _ACTIVATIONS[name]
 
 
-#: ``model_type`` of the vision configs this module builds
-VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+#: ``model_type`` of the vision configs this module builds (Idefics3's and SmolVLM's towers are SigLIP's)
+VISION_TYPES = ("clip_vision_model", "siglip_vision_model", "idefics3_vision", "smolvlm_vision")
 
 
 @attrs.frozen
@@ -71,6 +71,7 @@ class VisionConfig:
         if model_type not in VISION_TYPES:
             raise ValueError(f"vision tower {model_type!r} is not supported (supported: {', '.join(VISION_TYPES)})")
         clip = model_type == "clip_vision_model"
+        model_type = model_type if clip else "siglip_vision_model"
         # transformers' defaults, for configs that leave them out
         return cls(
             model_type=model_type,
@@ -159,9 +160,11 @@ class Embeddings(nn.Module):
                                          bias=not cfg.is_clip)
         self.position_embedding = nn.Embedding(cfg.grid ** 2 + int(cfg.is_clip), cfg.hidden_size)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``pixels [B, C, S, S]`` at the tower's image size -> ``[B, N, D]``."""
+    def forward(self, pixels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``pixels [B, C, S, S]`` -> ``[B, N, D]``; without ``position_ids [B, N]``, S must be the image size."""
         cfg = self.config
+        if position_ids is not None:  # Idefics3: any size, positions bucketed onto the learned grid
+            return self.patch_embedding(pixels).flatten(2).transpose(1, 2) + self.position_embedding(position_ids)
         if pixels.shape[-2:] != (cfg.image_size, cfg.image_size):
             raise ValueError(f"the vision tower takes {cfg.image_size}x{cfg.image_size} images, "
                              f"got {tuple(pixels.shape[-2:])}")
@@ -199,13 +202,14 @@ class VisionTower(nn.Module):
         if post_layernorm:
             self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def hidden_states(self, pixels: torch.Tensor, num_layers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def hidden_states(self, pixels: torch.Tensor, num_layers: int, position_ids: torch.Tensor | None = None
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``num_layers + 1`` hidden states ``[B, N, D]`` (no final norm) and the importance of each token ``[B, N]``.
 
         A token's importance is the attention it receives in the last layer run, averaged over heads and
         queries: the tower's own judgement of where the image's content is (the visual-token pruner's rank).
         """
-        x = self.embeddings(pixels)
+        x = self.embeddings(pixels, position_ids)
         if self.config.is_clip:
             x = self.pre_layrnorm(x)
         states, received = self.encoder(x, num_layers)

@@ -97,5 +97,16 @@ def alone(llm, spec):
     return llm.engine.submit(spec, wait=True).result()
 
 
-__all__ = ["GREEDY", "alone", "assert_close", "chat", "first_logits", "pil", "png_bytes", "reference_greedy",
+__all__ = ["GREEDY", "alone", "assert_batched_equals_alone", "assert_close", "chat", "first_logits", "pil", "png_bytes", "reference_greedy",
            "reference_inputs", "openai_content", "hf_content", "trace"]
+
+
+def assert_batched_equals_alone(llm, specs) -> None:
+    """Each request's output in a staggered batch (later ones joining mid-flight) equals its output alone."""
+    from tests.helpers import submit_staggered
+
+    solo = [trace(alone(llm, s)) for s in specs]
+    before = llm.health()["scheduling"]["admitted_mid_flight"]
+    batched = submit_staggered(llm.engine, specs, gap_steps=2)
+    assert [trace(r) for r in batched] == solo
+    assert llm.health()["scheduling"]["admitted_mid_flight"] - before >= len(specs) - 2

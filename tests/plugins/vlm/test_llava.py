@@ -36,7 +36,7 @@ PROMPTS = {
 
 
 #: the variants whose whole prompts are compared (every variant's features are)
-SERVED = ("clip-hub", "siglip-v5", "clip-v5-layers-full")
+SERVED = ("clip-hub", "siglip-v5")
 
 
 def _build(name, tmp_path_factory):

@@ -10,6 +10,8 @@ greedy picks are not decided by rounding.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -28,6 +30,15 @@ LLAVA_TEMPLATE = (
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+#: SmolVLM-Instruct's hub template
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
 TEXT_SIZES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -97,8 +108,64 @@ def llava(directory: Path, *, tower: Literal["clip", "siglip"] = "clip", layout:
     return save(model, processor, directory, layout)
 
 
+def idefics3(directory: Path, *, smolvlm: bool = False, splitting: bool = True, seed: int = 0) -> Path:
+    """A tiny ``Idefics3ForConditionalGeneration`` (or SmolVLM's): 32 px tiles of 8 px patches, 4 tokens a tile."""
+    tokens = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+              *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+    tokenizer = tiny_tokenizer(*tokens)
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    kind = "SmolVLM" if smolvlm else "Idefics3"
+    vision = getattr(transformers, f"{kind}VisionConfig")(**VISION_SIZES, image_size=32, patch_size=8)
+    text = transformers.LlamaConfig(**{**TEXT_SIZES, "vocab_size": 352}, bos_token_id=0, eos_token_id=2)
+    config = getattr(transformers, f"{kind}Config")(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                                                    scale_factor=2, image_token_id=image_token_id)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
+    redraw(model, seed)
+    module = getattr(transformers.models, kind.lower())
+    image_processor = getattr(getattr(module, f"image_processing_pil_{kind.lower()}"), f"{kind}ImageProcessorPil")(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=splitting)
+    extra = {}
+    with video_processor_class():
+        if smolvlm:
+            from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+            extra["video_processor"] = SmolVLMVideoProcessor()
+        processor = getattr(transformers, f"{kind}Processor")(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=SMOLVLM_TEMPLATE,
+            **extra)
+        return save(model, processor, directory, "v5")
+
+
+@contextlib.contextmanager
+def video_processor_class():
+    """transformers hides ``VideoProcessorMixin`` without torchvision, yet SmolVLM's processor type-checks its
+    (unused here) video processor against it: name it while a processor is built or loaded."""
+    from transformers import processing_utils
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    module = processing_utils.transformers_module
+    had = "VideoProcessorMixin" in vars(module)
+    setattr(module, "VideoProcessorMixin", VideoProcessorMixin)
+    try:
+        yield
+    finally:
+        if not had:
+            delattr(module, "VideoProcessorMixin")
+
+
 def reference(directory: Path, cls: type) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
     """The checkpoint loaded back by transformers (strictly: a missing or unexpected weight fails)."""
     model, info = cls.from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval(), transformers.AutoProcessor.from_pretrained(directory)
+    if cls is not transformers.SmolVLMForConditionalGeneration:
+        return model.eval(), transformers.AutoProcessor.from_pretrained(directory)
+    # its video processor needs torchvision to load: the processor is rebuilt from its saved parts
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+    settings = json.loads((directory / "processor_config.json").read_text())
+    with video_processor_class():
+        processor = transformers.SmolVLMProcessor(
+            image_processor=transformers.AutoImageProcessor.from_pretrained(directory),
+            tokenizer=transformers.AutoTokenizer.from_pretrained(directory), video_processor=SmolVLMVideoProcessor(),
+            image_seq_len=settings["image_seq_len"], chat_template=(directory / "chat_template.jinja").read_text())
+    return model.eval(), processor
