@@ -1,4 +1,4 @@
-"""Multimodal rotary positions (M-RoPE), as Qwen2-VL and Qwen2.5-VL define them.
+"""Multimodal rotary positions (M-RoPE), as Qwen2-VL, Qwen2.5-VL and Qwen3-VL define them.
 
 A token has three position ids, temporal / height / width, instead of one.
 Text tokens carry the same id in all three rows, so for text alone M-RoPE is
@@ -8,7 +8,8 @@ row, row 2 the column. The text after the image continues from the largest
 id so far + 1.
 
 The rotary frequencies ``[D/2]`` are split into ``mrope_section`` runs
-(summing to ``D/2``): run ``i`` rotates by the ids of row ``i % 3``.
+(summing to ``D/2``): run ``i`` rotates by the ids of row ``i % 3`` (Qwen3-VL
+interleaves the rows over the frequencies instead, see ``section_rows``).
 
 A sequence's ids depend only on its own prompt, never on its batch mates: a
 prompt token takes its precomputed ids, and the ``k``-th token of the context
