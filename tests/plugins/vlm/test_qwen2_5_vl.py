@@ -152,8 +152,9 @@ def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
 
 
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
+    # long enough that the batch is still running while each later request's image is encoded
     long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1))
+                     SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1))
     specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
     solo = [trace(alone(llm, s)) for s in specs]
     before = llm.health()["scheduling"]
@@ -221,3 +222,53 @@ def test_blocking_path_and_context_reuse_keep_the_mrope_positions(checkpoint, ll
     with LLM(str(checkpoint), plugin="vlm") as blocking:
         assert not blocking.engine.is_in_flight
         assert trace(blocking.engine.submit(specs[1]).result()) == expected[1]
+
+
+def test_ifb_serve_answers_as_transformers_generates(checkpoint, processor, reference, tmp_path):
+    """``ifb serve --plugin vlm DIR`` with the official ``openai`` client: the greedy answer to a two-image chat."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from tests.plugins.vlm.test_serve import _free_port
+
+    parts = PROMPTS["two images"]
+    inputs = reference_inputs(processor, parts)
+    with torch.no_grad():
+        out = reference.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ifb", "serve", str(checkpoint), "--plugin", "vlm", "--enable-in-flight-batching",
+         "--max-batch-size", "2", "--port", str(port), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        content = ours(parts).messages[0]["content"]
+        reply = client.chat.completions.create(model=checkpoint.name, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": content}])
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        with pytest.raises(openai.BadRequestError, match="aspect ratio"):
+            client.chat.completions.create(model=checkpoint.name, max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(picture(0, 2, 500))}}]}])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
