@@ -116,7 +116,7 @@ def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
     # long enough that the batch is still running while each later request's image is encoded
     long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1))
+                     SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
     specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
     solo = [trace(alone(llm, s)) for s in specs]
     before = llm.health()["scheduling"]
