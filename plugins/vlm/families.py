@@ -36,13 +36,13 @@ from typing import Mapping
 
 import torch
 
-from ifb_plugins.vlm import idefics3, llava
+from ifb_plugins.vlm import idefics3, llava, qwen2_audio
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm, MediaEncoder
 
 __all__ = ["FAMILIES", "EncodedMedia", "Family", "LoadedVlm", "MediaEncoder", "family_for", "load_vlm"]
 
 #: every family the plugin serves
-FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY, qwen2_audio.FAMILY)
 
 
 def family_for(config: Mapping, families: tuple[Family, ...] = FAMILIES) -> Family:

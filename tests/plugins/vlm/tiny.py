@@ -46,13 +46,14 @@ TEXT_SIZES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hid
 VISION_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
-def tiny_tokenizer(*extra: str) -> transformers.PreTrainedTokenizerFast:
-    """The shared tiny BPE (ChatML specials at 0, 1, 2) with ``extra`` special tokens after its 300 ids."""
+def tiny_tokenizer(*extra: str, role: str = "image_token") -> transformers.PreTrainedTokenizerFast:
+    """The shared tiny BPE (ChatML specials at 0, 1, 2) with ``extra`` special tokens after its 300 ids;
+    the first is the tokenizer's ``role`` (its ``image_token`` or ``audio_token``)."""
     tok = train_tiny_tokenizer(300)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0],
-        extra_special_tokens={"image_token": extra[0]} if extra else None)
+        extra_special_tokens={role: extra[0]} if extra else None)
 
 
 @torch.no_grad()
@@ -151,6 +152,21 @@ def video_processor_class():
     finally:
         if not had:
             delattr(module, "VideoProcessorMixin")
+
+
+def qwen2_audio(directory: Path, *, seed: int = 0) -> Path:
+    """A tiny ``Qwen2AudioForConditionalGeneration`` with a 1 s feature chunk (100 mel frames, 50 positions)."""
+    tokenizer = tiny_tokenizer("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", role="audio_token")
+    audio = transformers.Qwen2AudioEncoderConfig(d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                                                 encoder_ffn_dim=64, num_mel_bins=80, max_source_positions=50)
+    text = transformers.Qwen2Config(**TEXT_SIZES, bos_token_id=0, eos_token_id=2)
+    config = transformers.Qwen2AudioConfig(audio_config=audio, text_config=text,
+                                           audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    model = transformers.Qwen2AudioForConditionalGeneration(config).eval()
+    redraw(model, seed)
+    features = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=1)
+    processor = transformers.Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer)  # its template
+    return save(model, processor, directory, "v5")
 
 
 def reference(directory: Path, cls: type) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
