@@ -23,7 +23,12 @@ The interface a family implements:
 - ``EncodedMedia.position_ids``: None for every family here (the decoder's
   positions are the prompt positions). A family with multi-axis rotary
   positions (M-RoPE) returns ``[3, len(token_ids)]`` ids, the positions of its
-  tokens relative to the span's first one, for the runtime to hand the decoder.
+  tokens relative to the span's first one; the runtime keeps them in
+  ``Prepared.extras["media_positions"]`` as ``[(first prompt index, ids)]``
+  (after pruning, which cuts their columns with the tokens) for the decoder.
+
+Register a family by adding its ``FAMILY`` to ``FAMILIES`` below; the
+runtime (``runtime.VlmRuntime``) needs nothing else from it.
 
 An architecture no family knows is refused at load, naming the supported ones.
 """

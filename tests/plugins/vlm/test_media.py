@@ -96,3 +96,22 @@ def test_mel_front_end_matches_whisper_feature_extractor():
     assert np.abs(ours - expected).max() < 1e-5
     # the first frames alone are the same numbers (the rest of the chunk is padding)
     assert np.array_equal(log_mel_features(audio, 80, num_samples=480000, num_frames=80), ours[:, :80])
+
+
+def test_pruning_keeps_wrapper_tokens_and_cuts_positions_alike():
+    import torch
+
+    from ifb_plugins.vlm.interface import EncodedMedia
+    from ifb_plugins.vlm.pruning import prune
+
+    image, wrap = 9, 7
+    ids = (wrap, image, image, image, image, wrap, image, image, wrap)
+    embeds = torch.arange(6.0)[:, None].repeat(1, 3)  # row r holds r
+    importance = torch.tensor([0.1, 0.9, 0.3, 0.8, 0.2, 0.7])
+    positions = torch.arange(len(ids))[None].repeat(3, 1)
+    encoded = EncodedMedia(ids, image, embeds, importance, positions)
+    kept = prune(encoded, 0.5)
+    assert kept.token_ids == (wrap, image, image, wrap, image, wrap)
+    assert kept.embeds[:, 0].tolist() == [1.0, 3.0, 5.0]  # the three most important rows, in order
+    assert kept.position_ids[0].tolist() == [0, 2, 4, 5, 7, 8]
+    assert prune(encoded, 1.0) is encoded

@@ -48,10 +48,14 @@ def reference_features(model, inputs) -> torch.Tensor:
     return [f[:n] for f, n in zip(features, outputs.tolist())]
 
 
+@pytest.fixture(scope="module")
+def encoder(checkpoint):
+    return load_vlm(checkpoint[0]).encoders["audio"]
+
+
 @pytest.mark.parametrize("num_samples", [4800, 12345, 16000, 3001])
-def test_log_mel_and_audio_features_match_transformers(checkpoint, num_samples):
+def test_log_mel_and_audio_features_match_transformers(checkpoint, encoder, num_samples):
     path, model, processor = checkpoint
-    encoder = load_vlm(path).encoders["audio"]
     audio = (np.random.default_rng(num_samples).standard_normal(num_samples) * 0.1).astype(np.float32)
     inputs = processor(text="<|audio_bos|><|AUDIO|><|audio_eos|>", audio=[audio], sampling_rate=16000,
                        return_tensors="pt")
@@ -64,8 +68,7 @@ def test_log_mel_and_audio_features_match_transformers(checkpoint, num_samples):
     assert encoded.token_ids == (model.config.audio_token_id,) * int((inputs["input_ids"] == model.config.audio_token_id).sum())
 
 
-def test_audio_longer_than_the_chunk_is_refused(checkpoint):
-    encoder = load_vlm(checkpoint[0]).encoders["audio"]
+def test_audio_longer_than_the_chunk_is_refused(encoder):
     with pytest.raises(InvalidRequest, match="at most 1 s"):
         encoder.encode(MediaItem("audio", b"", np.zeros(16001, dtype=np.float32)))
 

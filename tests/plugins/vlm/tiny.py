@@ -83,16 +83,20 @@ def save(model: transformers.PreTrainedModel, processor, directory: Path, layout
 
 
 def llava(directory: Path, *, tower: Literal["clip", "siglip"] = "clip", layout: Literal["v5", "hub"] = "v5",
-          feature_layer: int | list[int] = -2, strategy: str = "default", seed: int = 0) -> Path:
-    """A tiny ``LlavaForConditionalGeneration`` (32x32 images in 8x8 patches) and its ``LlavaProcessor``."""
+          feature_layer: int | list[int] = -2, strategy: str = "default", pad: bool = False, seed: int = 0) -> Path:
+    """A tiny ``LlavaForConditionalGeneration`` (32x32 images in 8x8 patches) and its ``LlavaProcessor``
+    (with ``pad``, ``LlavaImageProcessor`` padding images to a square first)."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tokenizer = tiny_tokenizer("<image>")
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     if tower == "clip":
         vision = transformers.CLIPVisionConfig(**VISION_SIZES, image_size=32, patch_size=8)
-        image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        kind = LlavaImageProcessorPil if pad else CLIPImageProcessorPil
+        image_processor = kind(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                               **({"do_pad": True} if pad else {}))
     else:
         vision = transformers.SiglipVisionConfig(**VISION_SIZES, image_size=32, patch_size=8)
         image_processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
