@@ -28,7 +28,7 @@ def two_image_chat(seed: int, params=GREEDY) -> RequestSpec:
 
 
 def text_chat(text: str, params=GREEDY) -> RequestSpec:
-    return chat(text, params)
+    return chat([{"type": "text", "text": text}], params)
 
 
 @pytest.fixture(scope="module")
