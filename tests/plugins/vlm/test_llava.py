@@ -24,6 +24,7 @@ VARIANTS = {
     "siglip-v5": ("siglip", "v5", -1, "default", False),
     "siglip-hub-layers-full": ("siglip", "hub", [-3, -1], "full", False),
     "clip-v5-layers-full-pad": ("clip", "v5", [0, -2], "full", True),
+    "clip-hub-layers": ("clip", "hub", [-1, -2], "default", False),
 }
 
 PROMPTS = {
