@@ -23,7 +23,12 @@ The interface a family implements:
 - ``EncodedMedia.position_ids``: None for every family here (the decoder's
   positions are the prompt positions). A family with multi-axis rotary
   positions (M-RoPE) returns ``[3, len(token_ids)]`` ids, the positions of its
-  tokens relative to the span's first one, for the runtime to hand the decoder.
+  tokens relative to the span's first one; the runtime keeps them in
+  ``Prepared.extras["media_positions"]`` as ``[(first prompt index, ids)]``
+  (after pruning, which cuts their columns with the tokens) for the decoder.
+
+Register a family by adding its ``FAMILY`` to ``FAMILIES`` below; the
+runtime (``runtime.VlmRuntime``) needs nothing else from it.
 
 An architecture no family knows is refused at load, naming the supported ones.
 """
@@ -36,13 +41,14 @@ from typing import Mapping
 
 import torch
 
-from ifb_plugins.vlm import idefics3, llava, qwen2_5_vl, qwen3_vl
+from ifb_plugins.vlm import idefics3, llava, qwen2_5_vl, qwen2_audio, qwen3_vl
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm, MediaEncoder
 
 __all__ = ["FAMILIES", "EncodedMedia", "Family", "LoadedVlm", "MediaEncoder", "family_for", "load_vlm"]
 
 #: every family the plugin serves
-FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY)
+FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY,
+                                qwen2_audio.FAMILY)
 
 
 def family_for(config: Mapping, families: tuple[Family, ...] = FAMILIES) -> Family:

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
-import torch
 from PIL import Image, UnidentifiedImageError
 
 from ifb.params import InvalidRequest
@@ -111,7 +110,7 @@ def decode_image(raw: bytes, where: str) -> Image.Image:
     return image
 
 
-def decode_wav(raw: bytes, where: str, sampling_rate: int) -> torch.Tensor:
+def decode_wav(raw: bytes, where: str, sampling_rate: int) -> np.ndarray:
     """Decode PCM WAV with the stdlib, mix down to mono, resample to ``sampling_rate``: ``[L]`` in [-1, 1]."""
     try:
         with wave.open(io.BytesIO(raw), "rb") as wav:
@@ -142,7 +141,7 @@ def decode_wav(raw: bytes, where: str, sampling_rate: int) -> torch.Tensor:
         raise InvalidRequest(f"{where} holds no audio")
     from ifb_plugins.vlm.mel import resample_linear
 
-    return resample_linear(torch.from_numpy(np.ascontiguousarray(samples)), rate, sampling_rate)
+    return resample_linear(np.ascontiguousarray(samples, dtype=np.float32), rate, sampling_rate)
 
 
 @attrs.frozen

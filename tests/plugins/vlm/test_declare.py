@@ -98,6 +98,20 @@ def test_the_image_token_must_be_a_special_token(vlm_checkpoint, tmp_path):
         load_vlm(path)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"size": {"height": 48, "width": 48}}, "makes \\(48, 48\\) images but the vision tower takes 32x32"),
+    ({"image_processor_type": "ConvNextImageProcessor"}, "image processor 'ConvNextImageProcessor' is not supported"),
+])
+def test_an_image_processor_the_tower_cannot_take_is_refused(vlm_checkpoint, tmp_path, change, message):
+    path = tmp_path / "ckpt"
+    shutil.copytree(vlm_checkpoint, path)
+    cfg = json.loads((path / "processor_config.json").read_text())
+    cfg["image_processor"].update(change)
+    (path / "processor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_vlm(path)
+
+
 def test_bad_pruner_fails_at_start_up(vlm_checkpoint):
     with pytest.raises(ValueError, match="visual-token-pruner"):
         LLM(str(vlm_checkpoint), plugin="vlm", enable_in_flight_batching=True, visual_token_pruner=2)

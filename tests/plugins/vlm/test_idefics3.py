@@ -83,6 +83,6 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(served, prompt):
 def test_media_requests_join_mid_flight_and_match_their_output_alone(served):
     llm, _, _ = served
     long_text = chat([{"type": "text", "text": "Tell me a long story about a paged KV cache."}],
-                     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1))
+                     SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
     specs = [long_text, *(chat(openai_content(PROMPTS[p])) for p in ("two images", "non-square", "one image"))]
     assert_batched_equals_alone(llm, specs)

@@ -17,13 +17,14 @@ from tests.plugins.vlm.compare import (
     reference_inputs,
 )
 
-#: each variant: the tower, the layout, vision_feature_layer, vision_feature_select_strategy
+#: each variant: the tower, the layout, vision_feature_layer, vision_feature_select_strategy, pad to square
 VARIANTS = {
-    "clip-v5": ("clip", "v5", -2, "default"),
-    "clip-hub": ("clip", "hub", -2, "default"),
-    "siglip-v5": ("siglip", "v5", -1, "default"),
-    "siglip-hub-layers-full": ("siglip", "hub", [-3, -1], "full"),
-    "clip-v5-layers-full": ("clip", "v5", [0, -2], "full"),
+    "clip-v5": ("clip", "v5", -2, "default", False),
+    "clip-hub": ("clip", "hub", -2, "default", False),
+    "siglip-v5": ("siglip", "v5", -1, "default", False),
+    "siglip-hub-layers-full": ("siglip", "hub", [-3, -1], "full", False),
+    "clip-v5-layers-full-pad": ("clip", "v5", [0, -2], "full", True),
+    "clip-hub-layers": ("clip", "hub", [-1, -2], "default", False),
 }
 
 PROMPTS = {
@@ -40,9 +41,9 @@ SERVED = ("clip-hub", "siglip-v5")
 
 
 def _build(name, tmp_path_factory):
-    tower, layout, layer, strategy = VARIANTS[name]
+    tower, layout, layer, strategy, pad = VARIANTS[name]
     path = tiny.llava(tmp_path_factory.mktemp(name), tower=tower, layout=layout, feature_layer=layer,
-                      strategy=strategy, seed=len(name))
+                      strategy=strategy, pad=pad, seed=len(name))
     return path, *tiny.reference(path, transformers.LlavaForConditionalGeneration)
 
 

@@ -28,7 +28,7 @@ def two_image_chat(seed: int, params=GREEDY) -> RequestSpec:
 
 
 def text_chat(text: str, params=GREEDY) -> RequestSpec:
-    return chat(text, params)
+    return chat([{"type": "text", "text": text}], params)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def pruned(vlm_checkpoint):
 
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
     long_text = text_chat("Tell me a long story about a paged KV cache.",
-                          SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1))
+                          SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
     specs = [long_text, image_chat(1), two_image_chat(2), image_chat(3, "Describe it."), text_chat("Hi there.")]
     solo = [trace(alone(llm, s)) for s in specs]
     before = llm.health()["scheduling"]
@@ -150,7 +150,7 @@ def test_pruner_keeps_the_ratio_of_visual_tokens(llm, pruned):
 
 
 def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
-    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
     joiner = text_chat("Short question?", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     media = image_chat(5)
     media_alone = trace(alone(pruned, media))

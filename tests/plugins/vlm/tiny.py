@@ -23,12 +23,14 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 
 from ifb_plugins.common.testing import SPECIAL_TOKENS, train_tiny_tokenizer
 
-#: LLaVA's hub template, reading string or list content
+#: llava-hf/llava-1.5-7b-hf's template (images first, then text; ``{% generation %}`` around replies)
 LLAVA_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
@@ -46,13 +48,14 @@ TEXT_SIZES = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hid
 VISION_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
-def tiny_tokenizer(*extra: str) -> transformers.PreTrainedTokenizerFast:
-    """The shared tiny BPE (ChatML specials at 0, 1, 2) with ``extra`` special tokens after its 300 ids."""
+def tiny_tokenizer(*extra: str, role: str = "image_token") -> transformers.PreTrainedTokenizerFast:
+    """The shared tiny BPE (ChatML specials at 0, 1, 2) with ``extra`` special tokens after its 300 ids;
+    the first is the tokenizer's ``role`` (its ``image_token`` or ``audio_token``)."""
     tok = train_tiny_tokenizer(300)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0],
-        extra_special_tokens={"image_token": extra[0]} if extra else None)
+        extra_special_tokens={role: extra[0]} if extra else None)
 
 
 @torch.no_grad()
@@ -82,16 +85,20 @@ def save(model: transformers.PreTrainedModel, processor, directory: Path, layout
 
 
 def llava(directory: Path, *, tower: Literal["clip", "siglip"] = "clip", layout: Literal["v5", "hub"] = "v5",
-          feature_layer: int | list[int] = -2, strategy: str = "default", seed: int = 0) -> Path:
-    """A tiny ``LlavaForConditionalGeneration`` (32x32 images in 8x8 patches) and its ``LlavaProcessor``."""
+          feature_layer: int | list[int] = -2, strategy: str = "default", pad: bool = False, seed: int = 0) -> Path:
+    """A tiny ``LlavaForConditionalGeneration`` (32x32 images in 8x8 patches) and its ``LlavaProcessor``
+    (with ``pad``, ``LlavaImageProcessor`` padding images to a square first)."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     tokenizer = tiny_tokenizer("<image>")
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     if tower == "clip":
         vision = transformers.CLIPVisionConfig(**VISION_SIZES, image_size=32, patch_size=8)
-        image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        kind = LlavaImageProcessorPil if pad else CLIPImageProcessorPil
+        image_processor = kind(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                               **({"do_pad": True} if pad else {}))
     else:
         vision = transformers.SiglipVisionConfig(**VISION_SIZES, image_size=32, patch_size=8)
         image_processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
@@ -151,6 +158,21 @@ def video_processor_class():
     finally:
         if not had:
             delattr(module, "VideoProcessorMixin")
+
+
+def qwen2_audio(directory: Path, *, seed: int = 0) -> Path:
+    """A tiny ``Qwen2AudioForConditionalGeneration`` with a 1 s feature chunk (100 mel frames, 50 positions)."""
+    tokenizer = tiny_tokenizer("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", role="audio_token")
+    audio = transformers.Qwen2AudioEncoderConfig(d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                                                 encoder_ffn_dim=64, num_mel_bins=80, max_source_positions=50)
+    text = transformers.Qwen2Config(**TEXT_SIZES, bos_token_id=0, eos_token_id=2)
+    config = transformers.Qwen2AudioConfig(audio_config=audio, text_config=text,
+                                           audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    model = transformers.Qwen2AudioForConditionalGeneration(config).eval()
+    redraw(model, seed)
+    features = transformers.WhisperFeatureExtractor(feature_size=80, chunk_length=1)
+    processor = transformers.Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer)  # its template
+    return save(model, processor, directory, "v5")
 
 
 def reference(directory: Path, cls: type) -> tuple[transformers.PreTrainedModel, transformers.ProcessorMixin]:
