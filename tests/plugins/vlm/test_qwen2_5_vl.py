@@ -176,7 +176,7 @@ def test_pruner_keeps_the_ratio_of_visual_tokens_with_their_grid_positions(llm, 
 
 
 def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
-    long_text = ours(["Tell me a long story."], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    long_text = ours(["Tell me a long story."], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
     joiner = ours(["Short question?"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     media = ours(PROMPTS["non-square, shrunk"])
     media_alone = trace(alone(pruned, media))
