@@ -30,6 +30,24 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head."
 TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("lm_head.", "lm_head."))
 
 
+_LLAMA_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6}
+#: what transformers' config classes assume for the keys a hub ``text_config`` leaves out (llava-1.5's lists
+#: little more than its model_type and vocabulary)
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {**_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {**_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768},
+}
+
+
+def with_text_defaults(text_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``text_config`` completed with its model type's defaults (llama when it names none)."""
+    model_type = text_config.get("model_type", "llama")
+    return {"model_type": model_type, **TEXT_DEFAULTS.get(model_type, {}), **text_config}
+
+
 def read_json(path: Path, name: str) -> dict[str, Any]:
     file = path / name
     return json.loads(file.read_text()) if file.exists() else {}
@@ -99,7 +117,7 @@ def load_text_model(text_config: Mapping[str, Any], state: dict[str, torch.Tenso
     """The decoder, built by the shared layer; ``tie_word_embeddings`` is the outer config's flag."""
     if not state:
         raise ValueError(f"{path}: no language model weights (language_model.*)")
-    config = TextModelConfig.from_hf_config(text_config)
+    config = TextModelConfig.from_hf_config(with_text_defaults(text_config))
     if tie_word_embeddings and "lm_head.weight" not in state and not config.tie_word_embeddings:
         config = attrs.evolve(config, tie_word_embeddings=True)
     return build_model(LoadedCheckpoint(config, state, tokenizer, "hf", path), device=device)

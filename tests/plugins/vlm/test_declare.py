@@ -115,3 +115,33 @@ def test_an_image_processor_the_tower_cannot_take_is_refused(vlm_checkpoint, tmp
 def test_bad_pruner_fails_at_start_up(vlm_checkpoint):
     with pytest.raises(ValueError, match="visual-token-pruner"):
         LLM(str(vlm_checkpoint), plugin="vlm", enable_in_flight_batching=True, visual_token_pruner=2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.common.config import TextModelConfig
+    from ifb_plugins.vlm.checkpoint import with_text_defaults
+
+    # the special ids are the tokenizer's and the generation config's business, not the shapes'
+    reference = {**transformers.AutoConfig.for_model(model_type).to_dict(), "bos_token_id": None, "eos_token_id": None}
+    ours = TextModelConfig.from_hf_config(with_text_defaults({"model_type": model_type}))
+    assert ours == TextModelConfig.from_hf_config(reference)
+
+
+@pytest.mark.parametrize("model_type", ["clip_vision_model", "siglip_vision_model"])
+def test_vision_configs_get_the_reference_defaults(model_type):
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.vlm.vision import VisionConfig
+
+    reference = transformers.AutoConfig.for_model(model_type).to_dict()
+    assert VisionConfig.from_hf({"model_type": model_type}) == VisionConfig.from_hf(reference)
+
+
+def test_audio_configs_get_the_reference_defaults():
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.vlm.qwen2_audio import AudioConfig, FeatureExtraction
+
+    assert AudioConfig.from_hf({}) == AudioConfig.from_hf(transformers.Qwen2AudioEncoderConfig().to_dict())
+    features = transformers.WhisperFeatureExtractor(feature_size=128).to_dict()
+    assert FeatureExtraction.from_hf({}) == FeatureExtraction.from_hf(features)
