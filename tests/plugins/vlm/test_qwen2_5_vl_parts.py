@@ -175,3 +175,17 @@ def test_both_weight_layouts_load_the_same_model(checkpoint, tmp_path):
         assert all(torch.equal(ours_part[k], hub_part[k]) for k in ours_part)
     _, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(modules), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_a_flat_hub_config_reads_as_the_nested_one(checkpoint):
+    """transformers 4 wrote the text settings at the top level, with ``rope_scaling`` of type ``mrope``."""
+    from transformers import Qwen2_5_VLConfig
+
+    nested = json.loads((checkpoint / "config.json").read_text())
+    text = dict(nested["text_config"])
+    rope = text.pop("rope_parameters")
+    flat = {**{k: v for k, v in nested.items() if k != "text_config"}, **text,
+            "rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    flat.pop("model_type")
+    assert Qwen2_5_VLConfig(**flat).text_config.rope_parameters["mrope_section"] == rope["mrope_section"]
+    assert Qwen2_5VLConfig.from_hf({**flat, "model_type": "qwen2_5_vl"}) == Qwen2_5VLConfig.from_hf(nested)
