@@ -84,6 +84,10 @@ class TextModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     #: recorded for Mistral/Qwen2; the reference attention does not apply a window
     sliding_window: int | None = None
+    #: M-RoPE (Qwen2-VL): the rotary frequency runs ``[D/2]`` rotated by temporal / height / width ids
+    mrope_section: tuple[int, ...] | None = None
+    #: the runs interleaved over the frequencies (Qwen3-VL) rather than contiguous
+    mrope_interleaved: bool = False
 
     @property
     def q_size(self) -> int:

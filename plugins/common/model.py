@@ -21,6 +21,7 @@ from torch import nn
 from ifb_plugins.common import triton_kernels
 from ifb_plugins.common.attention import AttnMetadata, paged_attention, write_kv
 from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.mrope import section_rows, select_sections
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -238,10 +239,13 @@ class TextModel(nn.Module):
         self.decoder_impl: Callable[..., torch.Tensor] | None = None
         # cos / signed sin per position, grown on demand; rebuilt if inv_freq is replaced
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # M-RoPE: the position row (0-2) of each rotary column, for ``positions [3, T]``
+        self._mrope_rows = (section_rows(config.mrope_section, config.head_dim, config.mrope_interleaved)
+                            if config.mrope_section else None)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
               num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and signed ``sin`` ``[T, 1, D]`` at ``positions`` (all below ``num_positions``)."""
+        """``cos`` and signed ``sin`` ``[T, 1, D]`` at ``positions [T]`` (or ``[3, T]``, M-RoPE), all below ``num_positions``."""
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32 or inv_freq.is_meta:
             # A whole-model cast (model.to(torch.bfloat16)) must not round the frequencies.
@@ -253,7 +257,10 @@ class TextModel(nn.Module):
                 or cache[1].device != positions.device:
             length = max(256, 1 << (num_positions - 1).bit_length())  # doubling: rebuilt O(log n) times
             cache = self._rope_cache = (inv_freq, rope_table(self.config, inv_freq, length))
-        cs = cache[1].index_select(0, positions)  # [T, 2, D]
+        if positions.dim() == 2:  # M-RoPE ids: temporal / height / width rows
+            cs = select_sections(cache[1], positions, self._mrope_rows)  # [T, 2, D]
+        else:
+            cs = cache[1].index_select(0, positions)  # [T, 2, D]
         if cs.dtype != dtype:
             cs = cs.to(dtype)
         return cs[:, 0:1], cs[:, 1:2]
@@ -268,11 +275,14 @@ class TextModel(nn.Module):
     ) -> torch.Tensor:
         """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``.
 
+        An M-RoPE model (``config.mrope_section``) takes ``positions [3, T]``.
+
         Writes the step's K/V into ``kv_caches`` (one pair per layer) at ``attn.slot_mapping``.
         ``input_embeds [T, H]``, when given, replaces the token embeddings (media splicing).
         """
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
-        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host))
+        # M-RoPE ids of a pruned image may pass its context index: read their bound from the ids
+        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host) if positions.dim() == 1 else None)
         if self.decoder_impl is not None:
             x = self.decoder_impl(x, cos, sin, attn, kv_caches)
         else:

@@ -102,16 +102,21 @@ class TextRuntime:
     @torch.inference_mode()
     def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
-        input_ids, positions = [], []
-        for s in seqs:
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        input_ids = [t for s in seqs for t in s.token_ids]
         attn = build_attn_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
                                    self.kv_block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        pos = self.step_positions(step)
         hidden = self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, ids))  # [T, H]
         return sample_step(seqs, hidden, self.model.compute_logits, argmax=self.greedy_argmax, guided=self.guided)
+
+    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+        """Rotary positions of the step's tokens: ``[T]``, each token's index in its context.
+
+        An M-RoPE runtime overrides this to return ``[3, T]`` ids (``ifb_plugins.common.mrope``).
+        """
+        positions = [p for s in step.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        return torch.tensor(positions, dtype=torch.long, device=self.device)
 
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Input embeddings ``[T, H]`` for the step, or None to embed ``input_ids`` as usual.

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -44,6 +46,21 @@ def _byte_decoder() -> dict[str, int]:
             table[b] = chr(256 + extra)
             extra += 1
     return {ch: b for b, ch in table.items()}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which hub templates wrap around assistant turns
+    (transformers uses it to find them); rendering only needs the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 def _raise_exception(message: str) -> None:
@@ -218,7 +235,7 @@ class TextTokenizer:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
             )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception

@@ -1,10 +1,11 @@
-"""The vlm plugin: LLaVA-style image and audio input under in-flight batching.
+"""The vlm plugin: image and audio input under in-flight batching, for real checkpoints.
 
-Vision (SigLIP/ViT-style) and audio (Whisper-style) encoders run at admission,
-in ``prepare``; their projected embeddings replace the prompt's placeholder
-tokens, so a media request joins a running batch like any other. Under a
-visual-token pruner (``visual_token_pruner``: the fraction of visual tokens
-kept) media requests are founder-only.
+The model families (``families``: LLaVA, SmolVLM / Idefics3, Qwen2-Audio) are
+chosen from the checkpoint's ``config.json``. Their encoders run at admission,
+in ``prepare``; the projected embeddings replace the prompt's media tokens, so a
+media request joins a running batch like any other. Under a visual-token pruner
+(``visual_token_pruner``: the fraction of visual tokens kept) media requests are
+founder-only.
 """
 
 from __future__ import annotations
@@ -65,20 +66,19 @@ def load(config: DeployConfig):
     from pathlib import Path
 
     from ifb_plugins.common.lora import LoraSet
-    from ifb_plugins.vlm.loader import load_vlm_checkpoint
+    from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
     caps = declare(config)
     if not config.model:
         raise ValueError("the vlm plugin has no default model: pass a multimodal checkpoint directory")
     path = Path(config.model).expanduser()
-    loaded = load_vlm_checkpoint(path)
+    loaded = load_vlm(path)
     name = config.options.get("served_model_name") or path.name
     lora = LoraSet(loaded.text_model, dict(config.options.get("lora_adapters") or {}))
     ratio = pruner_ratio(config)
-    log.info("loaded %s (vision: %s, audio: %s, visual-token pruner: %s)", name,
-             loaded.config.vision is not None, loaded.config.audio is not None,
-             f"keeps {ratio:g}" if ratio is not None else "off")
+    log.info("loaded %s (%s; media: %s; visual-token pruner: %s)", name, loaded.family,
+             ", ".join(loaded.encoders), f"keeps {ratio:g}" if ratio is not None else "off")
     return VlmRuntime(loaded=loaded, caps=caps, config=config, model_name=name, pruner_ratio=ratio, lora=lora)
 
 
@@ -101,5 +101,5 @@ def ifb_deployment_kinds():
         variants=VARIANTS,
         # its own loader: the text plugin's quantization and KV cache settings are not read
         settings=TEXT_RUNTIME_SETTINGS | {PRUNER_OPTION, "allowed_local_media_path"},
-        description="LLaVA-style checkpoint: SigLIP-style vision and Whisper-style audio encoders, "
-                    "projectors and a Llama-family decoder")]
+        description="Hugging Face multimodal checkpoints: LLaVA (CLIP or SigLIP tower), SmolVLM / Idefics3, "
+                    "Qwen2-Audio; encoders at admission, a Llama-family decoder")]

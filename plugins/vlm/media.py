@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
-import torch
+from PIL import Image, UnidentifiedImageError
 
 from ifb.params import InvalidRequest
 
@@ -30,11 +30,12 @@ PART_TYPES = ("text", "image_url", "input_audio")
 
 @attrs.frozen
 class MediaItem:
-    """One decoded image (``data [C, S, S]``, normalized) or audio clip (``data [L]`` mono at 16 kHz)."""
+    """One decoded image (``data``: a Pillow image as the file holds it) or audio clip (``data [L]``: mono
+    float32 samples at the model's sampling rate)."""
 
     kind: Literal["image", "audio"]
     digest: bytes  # of the raw bytes as sent: two different files never share KV
-    data: torch.Tensor = attrs.field(eq=False, repr=False)
+    data: Any = attrs.field(eq=False, repr=False)
 
 
 def _b64decode(text: str, where: str) -> bytes:
@@ -88,10 +89,8 @@ def fetch_image_bytes(url: str, where: str, allowed_dir: Path | None = None) -> 
     return _read_local(Path(url).expanduser(), where, allowed_dir)
 
 
-def decode_image(raw: bytes, where: str, size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """Decode with Pillow, resize to ``size x size`` (bicubic), scale to [0, 1] and normalize: ``[3, S, S]``."""
-    from PIL import Image, UnidentifiedImageError
-
+def decode_image(raw: bytes, where: str) -> Image.Image:
+    """Decode with Pillow (every pixel read, so a truncated file fails here); the processor does the rest."""
     try:
         image = Image.open(io.BytesIO(raw))
     except UnidentifiedImageError:
@@ -105,14 +104,13 @@ def decode_image(raw: bytes, where: str, size: int, mean: tuple[float, ...], std
     if width < 1 or height < 1:
         raise InvalidRequest(f"{where} is empty ({width}x{height})")
     try:
-        rgb = image.convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
+        image.load()
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data
         raise InvalidRequest(f"{where} could not be decoded: {exc}") from None
-    pixels = torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0).permute(2, 0, 1)  # [3, S, S]
-    return (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    return image
 
 
-def decode_wav(raw: bytes, where: str, sampling_rate: int) -> torch.Tensor:
+def decode_wav(raw: bytes, where: str, sampling_rate: int) -> np.ndarray:
     """Decode PCM WAV with the stdlib, mix down to mono, resample to ``sampling_rate``: ``[L]`` in [-1, 1]."""
     try:
         with wave.open(io.BytesIO(raw), "rb") as wav:
@@ -143,25 +141,21 @@ def decode_wav(raw: bytes, where: str, sampling_rate: int) -> torch.Tensor:
         raise InvalidRequest(f"{where} holds no audio")
     from ifb_plugins.vlm.mel import resample_linear
 
-    return resample_linear(torch.from_numpy(np.ascontiguousarray(samples)), rate, sampling_rate)
+    return resample_linear(np.ascontiguousarray(samples, dtype=np.float32), rate, sampling_rate)
 
 
 @attrs.frozen
 class ParsedMessages:
-    """Messages with string content (media parts became placeholder text) and the media, in order."""
+    """Messages whose media parts became the chat templates' ``{"type": "image"}`` / ``{"type": "audio"}``
+    parts (text parts stay ``{"type": "text", "text": ...}``), and the decoded media, in order."""
 
     messages: tuple[dict, ...]
     media: tuple[MediaItem, ...]
 
 
-def parse_messages(messages: tuple[dict, ...], *, placeholders: dict[str, str], image_size: int | None,
-                   image_mean: tuple[float, ...], image_std: tuple[float, ...], sampling_rate: int,
+def parse_messages(messages: tuple[dict, ...], *, modalities: frozenset[str] | set[str], sampling_rate: int,
                    allowed_dir: Path | None = None) -> ParsedMessages:
-    """Turn content-part lists into strings with one placeholder per media part, decoding the media.
-
-    ``placeholders`` maps "image" / "audio" to the placeholder token text for
-    the modalities this model takes; a part of another modality is refused.
-    """
+    """Decode the media parts of OpenAI-style messages; a part of a modality the model lacks is refused."""
     out, media = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
@@ -172,7 +166,7 @@ def parse_messages(messages: tuple[dict, ...], *, placeholders: dict[str, str], 
             continue
         if not isinstance(content, (list, tuple)):
             raise InvalidRequest(f"messages[{i}].content must be a string or a list of content parts")
-        pieces = []
+        parts = []
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
@@ -180,31 +174,29 @@ def parse_messages(messages: tuple[dict, ...], *, placeholders: dict[str, str], 
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise InvalidRequest(f"{where} of type text needs a text string")
-                pieces.append(text)
+                parts.append({"type": "text", "text": text})
                 continue
             if kind not in PART_TYPES:
                 raise InvalidRequest(f"{where}: unknown content part type {kind!r} ({', '.join(PART_TYPES)})")
             modality = "image" if kind == "image_url" else "audio"
-            if modality not in placeholders:
+            if modality not in modalities:
                 raise InvalidRequest(f"{where}: this model takes no {modality} input")
             if len(media) >= MAX_MEDIA_ITEMS:
                 raise InvalidRequest(f"at most {MAX_MEDIA_ITEMS} images and audio clips are allowed per request")
-            media.append(_decode_part(part, kind, where, image_size, image_mean, image_std, sampling_rate,
-                                      allowed_dir))
-            pieces.append(placeholders[modality])
-        out.append({**message, "content": "\n".join(pieces)})
+            media.append(_decode_part(part, kind, where, sampling_rate, allowed_dir))
+            parts.append({"type": modality})
+        out.append({**message, "content": parts})
     return ParsedMessages(tuple(out), tuple(media))
 
 
-def _decode_part(part: dict[str, Any], kind: str, where: str, image_size: int | None,
-                 mean: tuple[float, ...], std: tuple[float, ...], sampling_rate: int,
+def _decode_part(part: dict[str, Any], kind: str, where: str, sampling_rate: int,
                  allowed_dir: Path | None = None) -> MediaItem:
     if kind == "image_url":
         ref = part.get("image_url")
         url = ref.get("url") if isinstance(ref, dict) else ref
         raw = fetch_image_bytes(url, f"{where}.image_url", allowed_dir)
-        pixels = decode_image(raw, f"{where}.image_url", image_size or 0, mean, std)
-        return MediaItem("image", hashlib.blake2b(raw, digest_size=16).digest(), pixels)
+        image = decode_image(raw, f"{where}.image_url")
+        return MediaItem("image", hashlib.blake2b(raw, digest_size=16).digest(), image)
     audio = part.get("input_audio")
     if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
         raise InvalidRequest(f"{where} of type input_audio needs input_audio.data (base64 WAV)")

@@ -1,18 +1,18 @@
 """The multimodal runtime: the text runtime plus media encoders that run at admission.
 
-``prepare`` parses content parts, decodes and encodes the media (so the step
-loop never runs an encoder) and expands each ``<image>`` / ``<audio>``
-placeholder into one token per media embedding. ``step_embeddings`` splices
-those embeddings over the placeholder rows of whatever prefill chunk a step
-carries, so a media request joins a running batch like any other.
+``prepare`` decodes the media parts, renders the chat with the checkpoint's
+template (one placeholder token per media item), and asks the family's encoder
+for each item's tokens and embeddings (``families``), so the step loop never
+runs an encoder. ``step_embeddings`` scatters those embeddings over their rows
+in whatever prefill chunk a step carries, so a media request joins a running
+batch like any other.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator
-
 from pathlib import Path
+from typing import Any, Iterator
 
 import attrs
 import torch
@@ -23,15 +23,19 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
 from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.mrope import prompt_positions, step_positions
 from ifb_plugins.common.runtime import TextRuntime
-from ifb_plugins.vlm.encoders import MediaModel
-from ifb_plugins.vlm.loader import LoadedVlm
+from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
 from ifb_plugins.vlm.media import MediaItem, parse_messages
-from ifb_plugins.vlm.mel import log_mel_spectrogram
+from ifb_plugins.vlm.pruning import prune
 
-#: ``Prepared.extras`` keys: ``[(first prompt index, embeddings [N, H])]`` in prompt order, the KV salt
-#: (a digest of the media bytes, for the context cache) and a marker that the request carries media.
-MEDIA_EMBEDS, KV_SALT, MEDIA = "media_embeds", "kv_salt", "media"
+#: ``Prepared.extras`` keys: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order; the KV salt (a
+#: digest of the media bytes, for the context cache); a marker that the request carries media; and
+#: the prompt's ``mrope.MropePositions`` for families with multi-axis positions (M-RoPE).
+MEDIA_EMBEDS, KV_SALT, MEDIA, MEDIA_POSITIONS = "media_embeds", "kv_salt", "media", "media_positions"
+
+#: audio arrives resampled to this rate unless an encoder asks for another
+DEFAULT_SAMPLING_RATE = 16000
 
 
 class VlmRuntime(TextRuntime):
@@ -39,11 +43,11 @@ class VlmRuntime(TextRuntime):
                  pruner_ratio: float | None = None, lora: LoraSet | None = None):
         super().__init__(model=loaded.text_model, tokenizer=loaded.tokenizer, caps=caps, config=config,
                          model_name=model_name, lora=lora)
-        self.vlm_config = loaded.config
-        self.media_model: MediaModel = loaded.media_model
-        self.placeholders = dict(loaded.placeholders)
-        self.placeholder_ids = {kind: tid for kind, tid in (("image", loaded.config.image_token_id),
-                                                            ("audio", loaded.config.audio_token_id)) if tid is not None}
+        self.loaded = loaded
+        self.encoders = dict(loaded.encoders)
+        self.placeholder_kinds = {enc.placeholder_id: kind for kind, enc in self.encoders.items()}
+        audio = self.encoders.get("audio")
+        self.sampling_rate = int(getattr(audio, "sampling_rate", DEFAULT_SAMPLING_RATE))
         self.pruner_ratio = pruner_ratio
         allowed = config.options.get("allowed_local_media_path")
         self.allowed_media_dir = Path(allowed) if allowed else None
@@ -52,78 +56,95 @@ class VlmRuntime(TextRuntime):
     def prepare(self, spec: RequestSpec) -> Prepared:
         media: tuple[MediaItem, ...] = ()
         if spec.messages is not None:
-            pre = self.vlm_config.preprocess
-            vision = self.vlm_config.vision
-            parsed = parse_messages(
-                spec.messages, placeholders=self.placeholders, image_size=vision.image_size if vision else None,
-                image_mean=pre.image_mean, image_std=pre.image_std, sampling_rate=pre.sampling_rate,
-                allowed_dir=self.allowed_media_dir)
+            parsed = parse_messages(spec.messages, modalities=set(self.encoders), sampling_rate=self.sampling_rate,
+                                    allowed_dir=self.allowed_media_dir)
             media = parsed.media
-            spec = attrs.evolve(spec, messages=parsed.messages)
+            ids = self.tokenizer.encode(self._render(list(parsed.messages)), add_special_tokens=False)
+            spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))
         prepared = super().prepare(spec)
         ids = list(prepared.prompt_token_ids)
-        kinds = {tid: kind for kind, tid in self.placeholder_ids.items()}
-        found = [(i, kinds[t]) for i, t in enumerate(ids) if t in kinds]
+        found = [(i, self.placeholder_kinds[t]) for i, t in enumerate(ids) if t in self.placeholder_kinds]
         if [kind for _, kind in found] != [m.kind for m in media]:
             raise InvalidRequest(self._mismatch(found, media))
         if not media:
             return prepared
         expanded: list[int] = []
-        spans: list[tuple[int, torch.Tensor]] = []
+        spans: list[tuple[torch.Tensor, torch.Tensor]] = []
+        positions: list[tuple[int, torch.Tensor]] = []
         salt = hashlib.blake2b(digest_size=16)
         at = 0
+        dtype = self.model.model.embed_tokens.weight.dtype
         for (index, kind), item in zip(found, media, strict=True):
             expanded += ids[at:index]
-            embeds = self.encode(item)
-            spans.append((len(expanded), embeds))
-            expanded += [ids[index]] * embeds.shape[0]
+            encoded = self.encode(item)
+            start = len(expanded)
+            rows = [start + j for j, t in enumerate(encoded.token_ids) if t == encoded.embed_token_id]
+            spans.append((torch.tensor(rows, dtype=torch.long), encoded.embeds.to(self.device, dtype)))
+            if encoded.position_ids is not None:
+                positions.append((start, encoded.position_ids))
+            expanded += encoded.token_ids
             at = index + 1
             salt.update(kind.encode() + item.digest)
         expanded += ids[at:]
+        if len(expanded) > self.max_model_len:
+            raise InvalidRequest(f"the prompt with its media is {len(expanded)} tokens; this deployment's context "
+                                 f"is {self.max_model_len}")
         extras = {**prepared.extras, MEDIA_EMBEDS: spans, KV_SALT: salt.hexdigest(), MEDIA: True}
+        if positions:
+            extras[MEDIA_POSITIONS] = prompt_positions(len(expanded), positions)
         return Prepared(tuple(expanded), extras)
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own error is the message
+            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
     def _mismatch(self, found: list[tuple[int, str]], media: tuple[MediaItem, ...]) -> str:
         if not media:
             kind = found[0][1]
-            return (f"the prompt contains the {kind} placeholder {self.placeholders[kind]!r} but no {kind}: "
+            token = self.tokenizer.id_to_token(self.encoders[kind].placeholder_id)
+            return (f"the prompt contains the {kind} placeholder {token!r} but no {kind}: "
                     f"send media as content parts")
+        tokens = ", ".join(repr(self.tokenizer.id_to_token(e.placeholder_id)) for e in self.encoders.values())
         return (f"the prompt has {len(found)} media placeholders for {len(media)} media parts: "
-                f"remove {', '.join(map(repr, self.placeholders.values()))} from the message text")
+                f"remove {tokens} from the message text")
 
-    def encode(self, item: MediaItem) -> torch.Tensor:
-        """Embeddings ``[N, H]`` of one media item, in the text model's embedding space and dtype."""
-        device = self.device
-        if item.kind == "image":
-            embeds = self.media_model.encode_image(item.data.to(device), self.pruner_ratio)
-        else:
-            pre, audio = self.vlm_config.preprocess, self.vlm_config.audio
-            mel = log_mel_spectrogram(item.data.to(device), audio.num_mel_bins, pre.n_fft, pre.hop_length,
-                                      pre.sampling_rate)
-            embeds = self.media_model.encode_audio(mel)
-        return embeds.to(self.model.model.embed_tokens.weight.dtype)
+    def encode(self, item: MediaItem) -> EncodedMedia:
+        """One media item through its family's encoder (and the pruner, for images)."""
+        encoded = self.encoders[item.kind].encode(item)
+        if item.kind == "image" and self.pruner_ratio is not None:
+            encoded = prune(encoded, self.pruner_ratio)
+        return encoded
 
     # ---- stepped execution ----
+    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+        """M-RoPE decoders take ``[3, T]`` ids, each sequence's from its own prompt (text alone: its index)."""
+        if self.model.config.mrope_section is None:
+            return super().step_positions(step)
+        spans = [(s.extras.get(MEDIA_POSITIONS), s.start_pos, len(s.token_ids)) for s in step.seqs]
+        return step_positions(spans).to(self.device)
+
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Token embeddings with each chunk's media placeholder rows replaced by their media embeddings.
+        """Token embeddings with each chunk's media rows replaced by their media embeddings.
 
         A prefill chunk covers prompt positions ``start_pos .. start_pos + n``;
-        it may hold only part of a media span, so each span is clipped to it.
+        it may hold only part of a media item's rows, so each is clipped to it.
         """
-        patches: list[tuple[int, torch.Tensor]] = []
+        patches: list[tuple[torch.Tensor, torch.Tensor]] = []
         offset = 0
         for seq in step.seqs:
             n = len(seq.token_ids)
-            for start, embeds in seq.extras.get(MEDIA_EMBEDS, ()):
-                lo, hi = max(start, seq.start_pos), min(start + embeds.shape[0], seq.start_pos + n)
-                if lo < hi:
-                    patches.append((offset + lo - seq.start_pos, embeds[lo - start:hi - start]))
+            for rows, embeds in seq.extras.get(MEDIA_EMBEDS, ()):
+                inside = (rows >= seq.start_pos) & (rows < seq.start_pos + n)
+                if bool(inside.any()):
+                    patches.append((rows[inside] - seq.start_pos + offset, embeds[inside.to(embeds.device)]))
             offset += n
         if not patches:
             return None  # text only: the model embeds the ids itself
         embeds = self.model.model.embed_tokens(input_ids)  # [T, H]
-        for row, rows in patches:
-            embeds[row:row + rows.shape[0]] = rows
+        for rows, values in patches:
+            embeds[rows.to(embeds.device)] = values
         return embeds
 
     # ---- blocking path ----

@@ -1,12 +1,12 @@
-"""A tiny random-weight multimodal checkpoint, written once per test session and loaded through the real loader."""
+"""A tiny LLaVA checkpoint built and saved by transformers, shared by the runtime tests."""
 
 from __future__ import annotations
 
 import pytest
 
-from ifb_plugins.vlm.testing import save_tiny_vlm_checkpoint
+from tests.plugins.vlm import tiny
 
 
 @pytest.fixture(scope="session")
 def vlm_checkpoint(tmp_path_factory):
-    return save_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=3)
+    return tiny.llava(tmp_path_factory.mktemp("llava"), tower="siglip", feature_layer=-1, strategy="full", seed=3)

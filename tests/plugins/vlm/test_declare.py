@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -14,8 +15,9 @@ from ifb.options import has_media
 from ifb.params import RequestSpec
 from ifb.plugins import default_host
 from ifb_plugins.vlm import VARIANTS, declare, pruner_ratio
-from ifb_plugins.vlm.loader import load_vlm_checkpoint
-from ifb_plugins.vlm.testing import image_part, png_bytes, save_tiny_vlm_checkpoint
+from ifb_plugins.vlm.families import FAMILIES, load_vlm
+from ifb_plugins.vlm.testing import image_part, png_bytes
+
 
 
 def test_pruner_makes_media_founder_only():
@@ -61,21 +63,85 @@ def test_media_predicate_reads_messages_and_extras():
     assert has_media(image) and has_media(RequestSpec(prompt="hi", extras={"media": True}))
 
 
-def test_loader_refuses_mismatched_weights(tmp_path):
-    path = save_tiny_vlm_checkpoint(tmp_path / "ckpt", with_audio=False)
-    assert load_vlm_checkpoint(path).placeholders == {"image": "<image>"}
-    weights = load_file(str(path / "model.safetensors"))
-    save_file({**weights, "audio_tower.conv1.weight": weights["vision_tower.vision_model.post_layernorm.weight"].clone()},
-              str(path / "model.safetensors"))
-    with pytest.raises(ValueError, match="unexpected audio_tower.conv1.weight"):
-        load_vlm_checkpoint(path)
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones(vlm_checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(vlm_checkpoint, path)
     cfg = json.loads((path / "config.json").read_text())
-    del cfg["image_token_id"]
-    (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="no image_token_id"):
-        load_vlm_checkpoint(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["PaliGemmaForConditionalGeneration"]}))
+    supported = [a for f in FAMILIES for a in f.architectures]
+    with pytest.raises(ValueError, match="does not serve PaliGemmaForConditionalGeneration") as info:
+        LLM(str(path), plugin="vlm")
+    assert all(a in str(info.value) for a in supported) and "LlavaForConditionalGeneration" in supported
+
+
+def test_loader_refuses_weights_the_config_does_not_describe(vlm_checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(vlm_checkpoint, path)
+    assert set(load_vlm(path).encoders) == {"image"}
+    weights = load_file(str(path / "model.safetensors"))
+    extra = weights["multi_modal_projector.linear_1.bias"].clone()
+    save_file({**weights, "audio_tower.conv1.weight": extra}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected weights outside the model's parts: audio_tower.conv1.weight"):
+        load_vlm(path)
+    del weights["multi_modal_projector.linear_2.bias"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing multi_modal_projector.linear_2.bias"):
+        load_vlm(path)
+
+
+def test_the_image_token_must_be_a_special_token(vlm_checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(vlm_checkpoint, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "image_token_index": 40}))
+    with pytest.raises(ValueError, match="image_token_id 40 .* not a special token"):
+        load_vlm(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"size": {"height": 48, "width": 48}}, "makes \\(48, 48\\) images but the vision tower takes 32x32"),
+    ({"image_processor_type": "ConvNextImageProcessor"}, "image processor 'ConvNextImageProcessor' is not supported"),
+])
+def test_an_image_processor_the_tower_cannot_take_is_refused(vlm_checkpoint, tmp_path, change, message):
+    path = tmp_path / "ckpt"
+    shutil.copytree(vlm_checkpoint, path)
+    cfg = json.loads((path / "processor_config.json").read_text())
+    cfg["image_processor"].update(change)
+    (path / "processor_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_vlm(path)
 
 
 def test_bad_pruner_fails_at_start_up(vlm_checkpoint):
     with pytest.raises(ValueError, match="visual-token-pruner"):
         LLM(str(vlm_checkpoint), plugin="vlm", enable_in_flight_batching=True, visual_token_pruner=2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.common.config import TextModelConfig
+    from ifb_plugins.vlm.checkpoint import with_text_defaults
+
+    # the special ids are the tokenizer's and the generation config's business, not the shapes'
+    reference = {**transformers.AutoConfig.for_model(model_type).to_dict(), "bos_token_id": None, "eos_token_id": None}
+    ours = TextModelConfig.from_hf_config(with_text_defaults({"model_type": model_type}))
+    assert ours == TextModelConfig.from_hf_config(reference)
+
+
+@pytest.mark.parametrize("model_type", ["clip_vision_model", "siglip_vision_model"])
+def test_vision_configs_get_the_reference_defaults(model_type):
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.vlm.vision import VisionConfig
+
+    reference = transformers.AutoConfig.for_model(model_type).to_dict()
+    assert VisionConfig.from_hf({"model_type": model_type}) == VisionConfig.from_hf(reference)
+
+
+def test_audio_configs_get_the_reference_defaults():
+    transformers = pytest.importorskip("transformers")
+    from ifb_plugins.vlm.qwen2_audio import AudioConfig, FeatureExtraction
+
+    assert AudioConfig.from_hf({}) == AudioConfig.from_hf(transformers.Qwen2AudioEncoderConfig().to_dict())
+    features = transformers.WhisperFeatureExtractor(feature_size=128).to_dict()
+    assert FeatureExtraction.from_hf({}) == FeatureExtraction.from_hf(features)

@@ -13,42 +13,22 @@ from ifb_plugins.vlm.testing import audio_part, image_part, png_bytes, wav_bytes
 
 from tests.helpers import submit_staggered
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
-NUM_PATCHES = 16  # the tiny checkpoint's 32x32 image in 8x8 patches
+from tests.plugins.vlm.compare import GREEDY, alone, chat, trace
 
-
-def chat(content, params=GREEDY) -> RequestSpec:
-    return RequestSpec(messages=({"role": "user", "content": content},), params=params)
+NUM_IMAGE_TOKENS = 16  # the tiny checkpoint's 32x32 image in 8x8 patches, every token kept ("full")
 
 
 def image_chat(seed: int, text: str = "What is in this picture?", params=GREEDY) -> RequestSpec:
     return chat([{"type": "text", "text": text}, image_part(png_bytes(seed))], params)
 
 
-def audio_chat(seed: int, params=GREEDY) -> RequestSpec:
-    return chat([audio_part(wav_bytes(seed, seconds=0.4)), {"type": "text", "text": "Transcribe it."}], params)
+def two_image_chat(seed: int, params=GREEDY) -> RequestSpec:
+    return chat([image_part(png_bytes(seed, 40, 20)), {"type": "text", "text": "versus"},
+                 image_part(png_bytes(seed + 1, 20, 40))], params)
 
 
 def text_chat(text: str, params=GREEDY) -> RequestSpec:
-    return chat(text, params)
-
-
-class trace:
-    """Tokens and their log-probabilities; equal when the tokens are and the log-probabilities agree to 1e-4."""
-
-    def __init__(self, result):
-        self.token_ids = tuple(result.token_ids)
-        self.logprobs = tuple(lp.logprob for lp in result.logprobs)
-
-    def __eq__(self, other) -> bool:
-        return self.token_ids == other.token_ids and self.logprobs == pytest.approx(other.logprobs, abs=1e-4)
-
-    def __repr__(self) -> str:
-        return f"trace({self.token_ids})"
-
-
-def alone(llm, spec):
-    return llm.engine.submit(spec, wait=True).result()
+    return chat([{"type": "text", "text": text}], params)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +50,8 @@ def pruned(vlm_checkpoint):
 
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
     long_text = text_chat("Tell me a long story about a paged KV cache.",
-                          SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1))
-    specs = [long_text, image_chat(1), audio_chat(2), image_chat(3, "Describe it."), text_chat("Hi there.")]
+                          SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
+    specs = [long_text, image_chat(1), two_image_chat(2), image_chat(3, "Describe it."), text_chat("Hi there.")]
     solo = [trace(alone(llm, s)) for s in specs]
     before = llm.health()["scheduling"]
     batched = submit_staggered(llm.engine, specs, gap_steps=2)
@@ -88,19 +68,19 @@ def test_placeholders_expand_to_one_token_per_embedding(llm):
     text = runtime.prepare(chat([{"type": "text", "text": "What is in this picture?"}]))
     prepared = runtime.prepare(image_chat(1))
     spans = prepared.extras["media_embeds"]
-    assert len(spans) == 1 and spans[0][1].shape == (NUM_PATCHES, runtime.model.config.hidden_size)
-    start = spans[0][0]
-    image_id = runtime.vlm_config.image_token_id
-    assert prepared.prompt_token_ids[start:start + NUM_PATCHES] == (image_id,) * NUM_PATCHES
-    # the template renders the text and the placeholder (plus a separator); nothing else changes
-    assert len(prepared.prompt_token_ids) - NUM_PATCHES - len(text.prompt_token_ids) in (0, 1)
-    audio = runtime.prepare(audio_chat(2)).extras["media_embeds"]
-    assert audio[0][1].shape[0] == 20  # 0.4 s: 40 mel frames, halved by the strided conv
+    assert len(spans) == 1 and spans[0][1].shape == (NUM_IMAGE_TOKENS, runtime.model.config.hidden_size)
+    rows = spans[0][0].tolist()
+    image_id = runtime.encoders["image"].placeholder_id
+    assert rows == list(range(rows[0], rows[0] + NUM_IMAGE_TOKENS))
+    assert [prepared.prompt_token_ids[r] for r in rows] == [image_id] * NUM_IMAGE_TOKENS
+    # the template renders the placeholder and its newline; nothing else changes
+    assert len(prepared.prompt_token_ids) - NUM_IMAGE_TOKENS - len(text.prompt_token_ids) in (0, 1)
+    assert [len(r) for r, _ in runtime.prepare(two_image_chat(2)).extras["media_embeds"]] == [NUM_IMAGE_TOKENS] * 2
 
 
 def test_different_media_get_different_kv_salts(llm):
     prepare = llm.deployment.runtime.prepare
-    salts = [prepare(spec).extras["kv_salt"] for spec in (image_chat(1), image_chat(1), image_chat(2), audio_chat(1))]
+    salts = [prepare(spec).extras["kv_salt"] for spec in (image_chat(1), image_chat(1), image_chat(2), two_image_chat(1))]
     assert salts[0] == salts[1]
     assert len({salts[0], salts[2], salts[3]}) == 3
     assert "kv_salt" not in prepare(text_chat("no media")).extras
@@ -114,9 +94,7 @@ def test_bad_media_is_refused_at_submit(llm):
         "at most 4096x4096": [image_part(png_bytes(0, width=4097, height=2))],
         "remote URLs": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
         "unknown content part type": [{"type": "video_url", "video_url": {"url": "x"}}],
-        "at most 30 s": [audio_part(wav_bytes(0, seconds=31, rate=8000, sample_width=1))],
-        "format 'mp3'": [audio_part(b"ID3", fmt="mp3")],
-        "not a PCM WAV": [audio_part(b"RIFF....WAVEjunk")],
+        "takes no audio": [audio_part(wav_bytes(0))],
         "local files are not allowed": [{"type": "image_url", "image_url": {"url": "file:///nonexistent/cat.png"}}],
         "placeholder": [{"type": "text", "text": "look: <image>"}],
     }
@@ -127,7 +105,7 @@ def test_bad_media_is_refused_at_submit(llm):
     with pytest.raises(InvalidRequest, match="larger than 20 MB"):
         submit(chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 28_000_000}}]))
     with pytest.raises(InvalidRequest, match="placeholder"):
-        submit(RequestSpec(prompt="<audio> what did you hear?"))
+        submit(RequestSpec(prompt="<image> what did you see?"))
     assert llm.health()["scheduling"]["submitted"] == before  # refused before queuing
 
 
@@ -160,20 +138,19 @@ def test_local_image_files_are_read_only_inside_the_allowed_directory(llm, tmp_p
 def test_pruner_keeps_the_ratio_of_visual_tokens(llm, pruned):
     full = llm.deployment.runtime.prepare(image_chat(1))
     kept = pruned.deployment.runtime.prepare(image_chat(1))
-    assert len(full.prompt_token_ids) - len(kept.prompt_token_ids) == NUM_PATCHES - NUM_PATCHES // 4
+    assert len(full.prompt_token_ids) - len(kept.prompt_token_ids) == NUM_IMAGE_TOKENS - NUM_IMAGE_TOKENS // 4
     (_, full_rows), = full.extras["media_embeds"]
     (_, kept_rows), = kept.extras["media_embeds"]
     # the kept rows are rows of the unpruned embedding, in their original order
     matches = [int((full_rows == row).all(dim=1).nonzero()[0]) for row in kept_rows]
-    assert matches == sorted(matches) and len(set(matches)) == NUM_PATCHES // 4
+    assert matches == sorted(matches) and len(set(matches)) == NUM_IMAGE_TOKENS // 4
     # the engine prefills the pruned prompt
     result = alone(pruned, image_chat(1))
     assert result.num_prompt_tokens == len(kept.prompt_token_ids) == alone(llm, image_chat(1)).num_prompt_tokens - 12
-    assert len(pruned.deployment.runtime.prepare(audio_chat(2)).extras["media_embeds"][0][1]) == 20  # audio unpruned
 
 
 def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
-    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
     joiner = text_chat("Short question?", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     media = image_chat(5)
     media_alone = trace(alone(pruned, media))
@@ -222,4 +199,4 @@ def test_server_answers_bad_media_with_400(llm):
     assert bad.status_code == 400 and "not an image" in bad.text
     good = asyncio.run(post([{"type": "text", "text": "Hi"}, image_part(png_bytes(1))]))
     assert good.status_code == 200, good.text
-    assert good.json()["usage"]["prompt_tokens"] > NUM_PATCHES
+    assert good.json()["usage"]["prompt_tokens"] > NUM_IMAGE_TOKENS

@@ -1,0 +1,274 @@
+"""Qwen2.5-VL served through ``LLM(plugin="vlm")`` against transformers on the same tiny random checkpoint:
+prompts, first-step logits, greedy tokens, batched == alone with media joining mid-flight, the pruner."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ifb import LLM, SamplingParams
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.runtime import ScheduledSeq, ScheduledStep
+from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen2_5_vl
+
+from tests.helpers import submit_staggered
+
+transformers = pytest.importorskip("transformers")
+
+NUM_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def picture(seed: int, height: int, width: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+#: name -> content parts: text (str) and images (PIL), in order
+PROMPTS = {
+    "one image": ["What is in this picture?", picture(1, 56, 56)],
+    "two images": [picture(2, 50, 90), "Compare it with", picture(3, 84, 56), "please."],
+    "non-square, shrunk": [picture(4, 300, 500), "Describe it."],
+    "tall, partial windows": ["Look:", picture(5, 211, 57)],
+    "text only": ["Tell me about a paged KV cache."],
+}
+
+
+def ours(parts, params=GREEDY) -> RequestSpec:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else
+               {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+    return RequestSpec(messages=({"role": "user", "content": content},), params=params)
+
+
+def reference_inputs(processor, parts):
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    images = [p for p in parts if not isinstance(p, str)]
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+class trace:
+    """Tokens and their log-probabilities; equal when the tokens are and the log-probabilities agree to 1e-4."""
+
+    def __init__(self, result):
+        self.token_ids = tuple(result.token_ids)
+        self.logprobs = tuple(lp.logprob for lp in result.logprobs)
+
+    def __eq__(self, other) -> bool:
+        return self.token_ids == other.token_ids and self.logprobs == pytest.approx(other.logprobs, abs=1e-4)
+
+    def __repr__(self) -> str:
+        return f"trace({self.token_ids})"
+
+
+def alone(llm, spec):
+    return llm.engine.submit(spec, wait=True).result()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), seed=11)
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint):
+    return load_processor(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(checkpoint)).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    # A 16-token budget splits the media spans across prefill chunks.
+    model = LLM(str(checkpoint), plugin="vlm", enable_in_flight_batching=True, max_batch_size=4,
+                max_num_batched_tokens=16)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def pruned(checkpoint):
+    model = LLM(str(checkpoint), plugin="vlm", enable_in_flight_batching=True, max_batch_size=4,
+                max_num_batched_tokens=16, visual_token_pruner=0.5)
+    yield model
+    model.close()
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_prompt_and_first_step_logits_equal_transformers(llm, processor, reference, name):
+    runtime = llm.deployment.runtime
+    inputs = reference_inputs(processor, PROMPTS[name])
+    prepared = runtime.prepare(ours(PROMPTS[name]))
+    ids = list(prepared.prompt_token_ids)
+    assert ids == inputs["input_ids"][0].tolist()  # the template, the placeholder expansion
+    with torch.no_grad():
+        expected = reference(**inputs).logits[0, -1]
+    seq = ScheduledSeq(request_id="r", seat=0, token_ids=tuple(ids), start_pos=0,
+                       block_ids=tuple(range(-(-len(ids) // runtime.kv_block_size))), is_sampling=True,
+                       params=GREEDY, num_prompt_tokens=len(ids), all_token_ids=tuple(ids), extras=prepared.extras)
+    step = ScheduledStep(step_id=0, seqs=(seq,))
+    tokens = torch.tensor(ids)
+    with torch.inference_mode():
+        hidden = runtime.model(tokens, runtime.step_positions(step), _attn(runtime, seq), runtime.kv_caches,
+                               runtime.step_embeddings(step, tokens))
+        logits = runtime.model.compute_logits(hidden[-1:])[0]
+    assert (logits - expected).abs().max() <= 1e-4
+
+
+def _attn(runtime, seq):
+    from ifb_plugins.common.attention import build_attn_metadata
+
+    return build_attn_metadata([(seq.start_pos, len(seq.token_ids), seq.block_ids)], runtime.kv_block_size)
+
+
+def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
+    for name, parts in PROMPTS.items():
+        inputs = reference_inputs(processor, parts)
+        with torch.no_grad():
+            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
+        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+        assert len(expected) == NUM_TOKENS
+        assert list(alone(llm, ours(parts)).token_ids) == expected, name
+    # the pictures reach the decoder: another image changes the answer's log-probabilities
+    other = ["What is in this picture?", Image.new("RGB", (56, 56), (250, 10, 10))]
+    assert trace(alone(llm, ours(other))) != trace(alone(llm, ours(PROMPTS["one image"])))
+
+
+def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
+    # long enough that the batch is still running while each later request's image is encoded
+    long_text = ours(["Tell me a long story about in-flight batching."],
+                     SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
+    specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
+    solo = [trace(alone(llm, s)) for s in specs]
+    before = llm.health()["scheduling"]
+    batched = submit_staggered(llm.engine, specs, gap_steps=2)
+    after = llm.health()["scheduling"]
+    assert [trace(r) for r in batched] == solo
+    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
+
+
+def test_pruner_keeps_the_ratio_of_visual_tokens_with_their_grid_positions(llm, pruned):
+    spec = ours(PROMPTS["two images"])
+    full = llm.deployment.runtime.prepare(spec)
+    kept = pruned.deployment.runtime.prepare(spec)
+    count = lambda p: p.prompt_token_ids.count(IMAGE_TOKEN_ID)  # noqa: E731
+    assert count(kept) == sum(-(-n // 2) for n in (6, 6)) and count(full) == 12
+    assert len(full.prompt_token_ids) - len(kept.prompt_token_ids) == 6
+    result = alone(pruned, spec)
+    assert result.num_prompt_tokens == len(kept.prompt_token_ids)
+
+
+def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
+    long_text = ours(["Tell me a long story."], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    joiner = ours(["Short question?"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    media = ours(PROMPTS["non-square, shrunk"])
+    media_alone = trace(alone(pruned, media))
+    before = pruned.health()["scheduling"]
+    results = submit_staggered(pruned.engine, [long_text, joiner, media], gap_steps=2)
+    after = pruned.health()["scheduling"]
+    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] == 1  # the text joiner only
+    assert after["stalls_incompatible"] > before["stalls_incompatible"]  # the media head waited
+    assert trace(results[2]) == media_alone
+    assert pruned.deployment.caps.options["media_under_pruner"].support.value == "founder-only"
+
+
+def test_an_image_too_elongated_for_the_processor_is_refused(llm):
+    with pytest.raises(InvalidRequest, match="aspect ratio"):
+        llm.engine.submit(ours(["Look:", picture(0, 2, 500)]))
+
+
+def test_a_heavily_pruned_image_may_place_text_past_its_context_index(pruned):
+    """Kept tokens keep their grid ids, so 2 of a 3x6 grid's tokens still span 6 columns: ids run ahead."""
+    runtime = pruned.deployment.runtime
+    spec = ours(PROMPTS["non-square, shrunk"])
+    runtime.pruner_ratio = 0.1
+    try:
+        prepared = runtime.prepare(spec)
+        result = alone(pruned, spec)
+    finally:
+        runtime.pruner_ratio = 0.5
+    assert prepared.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2
+    assert prepared.extras["media_positions"].delta > 0
+    assert len(result.token_ids) == NUM_TOKENS
+
+
+def test_blocking_path_and_context_reuse_keep_the_mrope_positions(checkpoint, llm):
+    """A prefix leased from the cache was computed at the same ids; the blocking path uses them too."""
+    long_prompt = ["A long shared preamble about paged attention and block tables. " * 3, picture(1, 56, 56),
+                   "What is in this picture?"]
+    specs = [ours(long_prompt), ours(PROMPTS["two images"]), ours(long_prompt)]
+    expected = [trace(alone(llm, s)) for s in specs]
+    with LLM(str(checkpoint), plugin="vlm", enable_in_flight_batching=True, enable_context_reuse=True) as cached:
+        got = [trace(alone(cached, s)) for s in specs]
+        hits = cached.health()["prefix_cache"]["hits"]
+    assert got == expected and hits >= 1
+    with LLM(str(checkpoint), plugin="vlm") as blocking:
+        assert not blocking.engine.is_in_flight
+        assert trace(blocking.engine.submit(specs[1]).result()) == expected[1]
+
+
+def test_ifb_serve_answers_as_transformers_generates(checkpoint, processor, reference, tmp_path):
+    """``ifb serve --plugin vlm DIR`` with the official ``openai`` client: the greedy answer to a two-image chat."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from tests.plugins.vlm.test_serve import _free_port
+
+    parts = PROMPTS["two images"]
+    inputs = reference_inputs(processor, parts)
+    with torch.no_grad():
+        out = reference.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    port = _free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ifb", "serve", str(checkpoint), "--plugin", "vlm", "--enable-in-flight-batching",
+         "--max-batch-size", "2", "--port", str(port), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        content = ours(parts).messages[0]["content"]
+        reply = client.chat.completions.create(model=checkpoint.name, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": content}])
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+        with pytest.raises(openai.BadRequestError, match="aspect ratio"):
+            client.chat.completions.create(model=checkpoint.name, max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(picture(0, 2, 500))}}]}])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
