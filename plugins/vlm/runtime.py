@@ -95,6 +95,12 @@ class VlmRuntime(TextRuntime):
         return Prepared(tuple(expanded), extras)
 
     def _render(self, messages: list[dict]) -> str:
+        template = self.tokenizer.chat_template or ""
+        if any(t in template for t in ("'type'", '"type"', ".type")):
+            # A template written for content parts renders a string content as nothing at all (llava-1.5's
+            # filters the parts by type): a string is one text part, as OpenAI's API defines it.
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - the template's own error is the message

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from ifb import LLM
+from ifb.params import RequestSpec
 from ifb_plugins.vlm.families import load_vlm
 from ifb_plugins.vlm.media import MediaItem
 from ifb_plugins.vlm.testing import png_bytes
@@ -89,3 +90,13 @@ def test_prompt_logits_and_greedy_tokens_match_transformers(served, prompt):
     assert_close(first_logits(runtime, prepared), expected)
     expected_tokens = reference_greedy(model, inputs, GREEDY.max_tokens)
     assert list(alone(llm, spec).token_ids) == expected_tokens
+
+
+def test_string_content_is_one_text_part(served):
+    llm, _, processor = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    expected = reference_inputs(processor, as_parts)["input_ids"][0].tolist()
+    # the template filters parts by type: a string would render as nothing
+    assert expected != reference_inputs(processor, messages)["input_ids"][0].tolist()
+    assert list(llm.deployment.runtime.prepare(RequestSpec(messages=tuple(messages))).prompt_token_ids) == expected

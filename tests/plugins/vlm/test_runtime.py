@@ -150,7 +150,9 @@ def test_pruner_keeps_the_ratio_of_visual_tokens(llm, pruned):
 
 
 def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
-    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    # long enough to still be running when the media request is prepared (a decode step is ~2 ms here; under
+    # load the image's preprocessing and encoding in submit() took longer than 128 of them)
+    long_text = text_chat("Tell me a long story.", SamplingParams(temperature=0.0, max_tokens=512, ignore_eos=True))
     joiner = text_chat("Short question?", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     media = image_chat(5)
     media_alone = trace(alone(pruned, media))
