@@ -34,7 +34,7 @@ Q = gguf.GGMLQuantizationType
 
 def hf_moe_config(arch: MoeArch, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2,
                   num_heads: int = 4, num_kv_heads: int = 2, num_experts: int = 8, top_k: int = 2,
-                  moe_intermediate_size: int = 32, intermediate_size: int = 96, shared_intermediate_size: int = 48,
+                  moe_intermediate_size: int = 32, intermediate_size: int = 96, shared_intermediate_size: int = 64,
                   norm_topk_prob: bool | None = None, **extra: Any) -> Any:
     """A transformers config object for ``arch`` (norm_topk_prob defaults as the released models set it)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
