@@ -7,11 +7,13 @@ scaled by ``sigmoid(shared_expert_gate(x))``.
 
 A step's tokens are dispatched per expert: the rows routed to one expert are
 gathered and multiplied by it once (``ExpertWeights`` in float32, or
-``quant.BlockExperts`` on GGUF blocks). Batch invariance: routing is per row,
-and each token's expert outputs are summed in one fixed order (ascending expert
-id, as transformers' ``index_add_`` loop does), so a token's result depends on
-its own row only, as long as the expert matmul computes each row on its own
-(as the native block kernels do).
+``ExpertModules`` of ``quant.BlockLinear`` on GGUF blocks). Batch invariance: the router's and the shared
+expert gate's logits are one matrix-vector product per row (torch's CPU matmul
+picks its kernel, hence its summation order, by the row count), routing is per
+row, and each token's expert outputs are summed in one fixed order (ascending
+expert id, as transformers' ``index_add_`` loop does), so a token's result
+depends on its own row only wherever the expert matmuls compute each row on its
+own, as the native block kernels do.
 
 Parameter names follow the transformers 5 layout (``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``,
@@ -66,6 +68,14 @@ def route(logits: torch.Tensor, top_k: int, *, normalize: bool, router: str = "s
     return weights.gather(-1, order), expert_ids
 
 
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` as one matrix-vector product per row of ``x [T, K]``: a row's bits
+    do not depend on how many rows share the call (the router is a small ``[E, K]`` matrix)."""
+    if x.shape[0] == 1:
+        return torch.mv(weight, x[0])[None]
+    return torch.stack([torch.mv(weight, row) for row in x.unbind(0)])
+
+
 class ExpertWeights(nn.Module):
     """All routed experts' weights in float32, stacked as transformers 5 holds them."""
 
@@ -78,6 +88,23 @@ class ExpertWeights(nn.Module):
     def forward(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj[expert_id]).chunk(2, dim=-1)  # [n, I] each
         return F.linear(F.silu(gate) * up, self.down_proj[expert_id])  # [n, H]
+
+
+class ExpertModules(nn.Module):
+    """Routed experts as per-expert projection modules (``quant`` builds them over GGUF blocks):
+    ``gate_up[e]`` gives gate then up ``[n, 2I]``, ``down[e]`` the output."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        super().__init__()
+        if len(gate_up) != len(down):
+            raise ValueError(f"{len(gate_up)} gate/up projections for {len(down)} down projections")
+        self.num_experts = len(down)
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+
+    def forward(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
+        gate, up = self.gate_up[expert_id](x).chunk(2, dim=-1)  # [n, I] each
+        return self.down[expert_id](F.silu(gate) * up)  # [n, H]
 
 
 class SharedExpert(nn.Module):
@@ -108,7 +135,7 @@ class SparseMoE(nn.Module):
         self.normalize = config.norm_topk_prob
         self.router = config.router
         self.gate = nn.Linear(h, config.num_experts, bias=False)
-        #: float32 ``ExpertWeights``, or any ``Experts`` (``quant.BlockExperts`` runs GGUF blocks)
+        #: float32 ``ExpertWeights``, or any ``Experts`` (``quant`` puts ``ExpertModules`` on GGUF blocks here)
         self.experts: nn.Module = ExpertWeights(config.num_experts, h, config.moe_intermediate_size)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -119,7 +146,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
         k = self.top_k
-        weights, expert_ids = route(self.gate(x), k, normalize=self.normalize, router=self.router)  # [T, K]
+        logits = rowwise_linear(x, self.gate.weight)  # [T, E]
+        weights, expert_ids = route(logits, k, normalize=self.normalize, router=self.router)  # [T, K]
         flat = expert_ids.reshape(-1)  # [T K]: slot s is token s // K's pick s % K
         slots_by_expert = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -138,7 +166,7 @@ class SparseMoE(nn.Module):
         for j in range(1, k):  # ascending expert order, whatever the batch
             y = y + out[:, j]
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + torch.sigmoid(rowwise_linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return y
 
 
