@@ -104,7 +104,7 @@ class ExpertModules(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
         gate, up = self.gate_up[expert_id](x).chunk(2, dim=-1)  # [n, I] each
-        return self.down[expert_id](F.silu(gate) * up)  # [n, H]
+        return self.down[expert_id](F.silu(gate).mul_(up))  # [n, H]
 
 
 class SharedExpert(nn.Module):
@@ -144,30 +144,37 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, h = x.shape
-        k = self.top_k
         logits = rowwise_linear(x, self.gate.weight)  # [T, E]
-        weights, expert_ids = route(logits, k, normalize=self.normalize, router=self.router)  # [T, K]
-        flat = expert_ids.reshape(-1)  # [T K]: slot s is token s // K's pick s % K
-        slots_by_expert = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        flat_weights = weights.reshape(-1, 1).to(x.dtype)
-        out = x.new_empty(t * k, h)  # [T K, H]: each slot's weighted expert output
-        start = 0
-        for expert_id, n in enumerate(counts):
-            if not n:
-                continue
-            slots = slots_by_expert[start:start + n]
-            start += n
-            y = self.experts(x.index_select(0, slots // k), expert_id)  # [n, H]: one matmul per expert
-            out.index_copy_(0, slots, y * flat_weights.index_select(0, slots))
-        out = out.view(t, k, h)
-        y = out[:, 0]
-        for j in range(1, k):  # ascending expert order, whatever the batch
-            y = y + out[:, j]
+        weights, expert_ids = route(logits, self.top_k, normalize=self.normalize, router=self.router)  # [T, K]
+        weights = weights.to(x.dtype)
+        if x.shape[0] == 1:  # a decode step alone: no gathers
+            picks = [self.experts(x, e) * weights[:, j:j + 1] for j, e in enumerate(expert_ids[0].tolist())]
+        else:
+            picks = self._dispatch(x, weights, expert_ids).unbind(1)
+        y = picks[0]
+        for pick in picks[1:]:  # ascending expert order, whatever the batch
+            y = y + pick
         if self.shared_expert is not None:
             y = y + torch.sigmoid(rowwise_linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return y
+
+    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted expert outputs ``[T, K, H]``, one expert call per expert that got rows."""
+        t, h = x.shape
+        k = self.top_k
+        flat = expert_ids.reshape(-1)  # [T K]: slot s is token s // K's pick s % K
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x.index_select(0, order // k)  # [T K, H], grouped by expert
+        outs = []
+        start = 0
+        for expert_id, n in enumerate(counts):
+            if n:
+                outs.append(self.experts(rows[start:start + n], expert_id))  # one matmul per expert
+                start += n
+        grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
+        grouped = grouped * weights.reshape(-1, 1).index_select(0, order)
+        return torch.empty_like(grouped).index_copy_(0, order, grouped).view(t, k, h)
 
 
 # checkpoint names of per-expert tensors: Qwen's experts.N.{gate,up,down}_proj, Mixtral's experts.N.w{1,3,2}

@@ -28,7 +28,7 @@ from ifb_plugins.common.testing import CHATML_TEMPLATE, SPECIAL_TOKENS, train_ti
 
 MoeArch = Literal["qwen3_moe", "qwen2_moe", "mixtral"]
 _GGUF_ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
-              "mixtral": gguf.MODEL_ARCH.LLAMA}
+              "mixtral": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}  # qwen3: a dense twin
 Q = gguf.GGMLQuantizationType
 
 
@@ -134,7 +134,8 @@ def _hf_names(state: dict[str, torch.Tensor], arch: MoeArch) -> dict[str, torch.
 
 def write_moe_gguf(hf_dir: str | Path, path: str | Path, weight_type: gguf.GGMLQuantizationType = Q.F32,
                    *, state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Convert a MoE checkpoint directory to GGUF as llama.cpp does; matrices in ``weight_type``.
+    """Convert a MoE checkpoint directory (or a dense Qwen3 one) to GGUF as llama.cpp does;
+    matrices in ``weight_type``.
 
     ``state`` replaces the directory's weights (a benchmark's random tensors); the
     directory still gives config.json and the tokenizer.
@@ -158,12 +159,13 @@ def write_moe_gguf(hf_dir: str | Path, path: str | Path, weight_type: gguf.GGMLQ
     w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch != "qwen3":
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    if arch != "mixtral":
+    if arch in ("qwen2_moe", "qwen3_moe"):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
