@@ -5,6 +5,7 @@ the float32 one, and batched == alone on the native path under the engine."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import attrs
 import gguf
@@ -27,6 +28,16 @@ ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 PROMPTS = [[5, 17, 33, 90, 4, 200, 11, 7, 61], [3, 4, 5], list(range(10, 40)), [250, 12]]
 needs_kernels = pytest.mark.skipif(qkernels.load() is None, reason="the native kernels cannot be built here")
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Single-threaded torch: on a small shared machine OpenMP's spinning barriers make these tiny
+    models' small ops several times slower with two threads than with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

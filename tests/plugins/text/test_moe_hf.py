@@ -5,6 +5,7 @@ per-expert dispatch against each row alone, and batched == alone under the engin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -32,6 +33,16 @@ PROMPTS = [[5, 17, 33, 90, 4, 200, 11, 7, 61], [3, 4, 5], list(range(10, 40)), [
 NEW_TOKENS = 32
 TOL = 1e-4
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Single-threaded torch: on a small shared machine OpenMP's spinning barriers make these tiny
+    models' small ops several times slower with two threads than with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
