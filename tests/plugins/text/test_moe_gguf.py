@@ -64,7 +64,7 @@ def quantized(arch: str, hf_dirs: dict[str, Path], directory: Path, qtype: Q) ->
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_experts_compute_the_float32_model(arch: str, qtype: Q, hf_dirs: dict[str, Path],
                                                   tmp_path: Path) -> None:
