@@ -14,8 +14,11 @@ third-party ones, import it. Its modules are its public API:
   safetensors directories and GGUF files into a ``TextModel``;
 - ``model`` and ``attention``: the Llama-family decoder (``TextModel``, ``RMSNorm``, RoPE) over a
   paged KV cache (``AttnMetadata``, ``build_attn_metadata``, ``write_kv``);
+- ``moe``: sparse mixture-of-experts layers (``SparseMoE``: router, routed experts, Qwen2-MoE's
+  gated shared expert; ``route``; ``fuse_expert_state`` for checkpoints' expert layouts);
 - ``quant``, ``quant_torch``, ``qkernels``, ``native_decoder``, ``triton_kernels``: the GGUF-block
   linear layers and their kernels;
 - ``lora``, ``guided``, ``syscache``: adapters, guided decoding, the legacy system-prompt capture;
-- ``testing``: tokenizers and tiny models for plugin tests.
+- ``testing``, ``testing_moe``: tokenizers and tiny models for plugin tests (``testing_moe``:
+  transformers-built MoE checkpoints and their GGUF as llama.cpp writes it).
 """
