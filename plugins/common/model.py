@@ -22,8 +22,8 @@ from torch import nn
 from ifb_plugins.common import triton_kernels
 from ifb_plugins.common.attention import AttnMetadata, paged_attention, write_kv
 from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.mrope import section_rows, select_sections
 from ifb_plugins.common.moe import SparseMoE
+from ifb_plugins.common.mrope import section_rows, select_sections
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
