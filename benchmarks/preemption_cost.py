@@ -4,7 +4,8 @@ On the default model, for a few context lengths: the time to prefill the
 context again (the recomputation the scheduler does: ``prefill_only``, chunks
 of 512 tokens) against the time to copy its KV blocks out of the cache into a
 host pool and back in (a swap: ``index_select`` out, ``index_copy_`` in, every
-layer's keys and values; pinned host memory on CUDA). Median of ``--repeats``.
+layer's keys and values, on one thread; pinned host memory on CUDA). Median of
+``--repeats``.
 
     python benchmarks/preemption_cost.py                  # ~1 minute on 2 cores
     python benchmarks/preemption_cost.py --device cuda --out cost.json
@@ -63,8 +64,14 @@ def measure(lengths: list[int], repeats: int, device: str) -> list[dict]:
                     v.index_copy_(0, index, hv.to(v.device, non_blocking=True))
 
             recompute = _timed(lambda: runtime.prefill_only(tokens, block_ids), repeats, sync)
-            out = _timed(swap_out, repeats, sync)
-            back = _timed(swap_in, repeats, sync)
+            # the copies are memory-bound: one thread, as OpenMP workers only add wake-ups to them
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                out = _timed(swap_out, repeats, sync)
+                back = _timed(swap_in, repeats, sync)
+            finally:
+                torch.set_num_threads(threads)
             kv_bytes = sum(t.numel() * t.element_size() for pair in host for t in pair)
             rows.append({"tokens": n, "recompute_s": recompute, "swap_out_s": out, "swap_in_s": back,
                          "swap_s": out + back, "kv_mib": kv_bytes / 2**20,
