@@ -80,7 +80,7 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
         raise InvalidRequest(f"the prompt has {num_prompt} tokens; the KV cache holds {capacity}")
     max_tokens = spec.params.max_tokens
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room  # a cap: KV blocks are taken as the answer grows, never reserved for it
     elif max_tokens > room:
         raise InvalidRequest(
             f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "

@@ -282,6 +282,7 @@ class Scheduler:
         r.num_preemptions += 1
         # victims leave youngest first, so putting each at the head keeps the queue in arrival order
         self.waiting.appendleft(r)
+        self.exclusions[r.request_id] = "preempted: the KV pool ran out"
         self.counters.preempt()
         log.debug("preempted %s (%d tokens to recompute)", r.request_id, r.num_tokens)
 

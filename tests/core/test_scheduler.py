@@ -174,7 +174,7 @@ def test_the_youngest_resident_is_preempted_recomputed_and_never_streams_twice()
     s.add(old)
     s.add(young)
     streamed = {"old": [], "young": []}
-    sent = []
+    sent, reasons = [], set()
     while s.has_work:
         step = s.schedule()
         if step is None:
@@ -186,8 +186,10 @@ def test_the_youngest_resident_is_preempted_recomputed_and_never_streams_twice()
                 streamed[r.request_id].extend(out.token_ids)
         if young.num_preemptions == 1 and young.status.value == "waiting":
             assert list(s.waiting) == [young] and young.block_ids == [] and young.seat is None
+            reasons.add(s.exclusions["young"])
             assert s.counters.snapshot()["preempted"] == 1 and s.counters.is_consistent()
     assert old.num_preemptions == 0 and young.num_preemptions == 1
+    assert "preempted: the KV pool ran out" in reasons  # then it waits as any head does
     # the first step after its return recomputes the prompt and what it had generated, then samples
     back = next(q for st in sent for q in st.seqs if q.request_id == "young" and q.start_pos == 0 and st is not sent[0])
     assert back.token_ids == back.all_token_ids and back.is_sampling and len(back.token_ids) > 6
