@@ -23,19 +23,19 @@ from ifb.kv import BlockManager
 from ifb.outputs import RequestHandle, RequestOutput
 from ifb.params import RequestSpec
 from ifb.request import Request
-from ifb.runtime import Runtime
+from ifb.runtime import Runtime, Tokenizer
 from ifb.scheduler import PrefixMatcher, Scheduler
 
 log = logging.getLogger("ifb.blocking")
 
 
-def fork(request: Request, index: int, **param_changes) -> Request:
+def fork(request: Request, index: int, tokenizer: Tokenizer, **param_changes) -> Request:
     """A private copy of ``request`` for sequence ``index`` of an n > 1 request."""
     spec = attrs.evolve(request.spec, params=attrs.evolve(request.spec.params, n=1, **param_changes))
     return Request(
         request_id=f"{request.request_id}-{index}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
         max_tokens=request.max_tokens, handle=RequestHandle(f"{request.request_id}-{index}"),
-        detok=IncrementalDetokenizer(request.detok._tokenizer, request.prompt_token_ids, spec.params.stop),
+        detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
         extras=dict(request.extras), eos_token_ids=request.eos_token_ids, index=index,
     )
 
@@ -51,7 +51,7 @@ def drive_alone(runtime: Runtime, request: Request, *, token_budget: int = 512,
     """
     params = request.params
     children = [
-        fork(request, i, **({"seed": params.seed + i} if params.seed is not None else {}))
+        fork(request, i, runtime.tokenizer, **({"seed": params.seed + i} if params.seed is not None else {}))
         for i in range(params.n)
     ]
     blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
@@ -75,23 +75,12 @@ def drive_alone(runtime: Runtime, request: Request, *, token_budget: int = 512,
                 log.exception("blocking-path step failed")
                 scheduler.fail_step(step, exc)
         for child in children:
-            for out in _drain(child.handle):
+            for out in child.handle.ready():
                 if out.finished:
                     num_done += 1
                 yield attrs.evolve(out, request_id=request.request_id, finished=num_done == len(children))
         if step is None or num_done == len(children):
             return
-
-
-def _drain(handle: RequestHandle) -> list[RequestOutput]:
-    out = []
-    while True:
-        try:
-            item = handle._queue.get_nowait()
-        except queue.Empty:
-            return out
-        if isinstance(item, RequestOutput):
-            out.append(item)
 
 
 class BlockingEngine:
@@ -115,15 +104,11 @@ class BlockingEngine:
     def submit(self, spec: RequestSpec, *, wait: bool = False, timeout: float | None = None) -> RequestHandle:
         check_options(self.options, self.support, spec, in_flight=False)
         request = new_request(self.runtime, spec)
-        with self.counters.lock:
-            self.counters.submitted += 1
-            self.counters.queued += 1
+        self.counters.submit()
         try:
             self._queue.put((request, time.monotonic()), block=wait, timeout=timeout)
         except queue.Full:
-            with self.counters.lock:
-                self.counters.queued -= 1
-                self.counters.refused += 1
+            self.counters.end("refused", was_resident=False)
             raise EngineFull(f"the queue is full ({self.config.max_queued_requests} waiting)") from None
         return request.handle
 
@@ -137,41 +122,29 @@ class BlockingEngine:
 
     def _serve(self, request: Request, queued_at: float) -> None:
         waited = time.monotonic() - queued_at
-        with self.counters.lock:
-            self.counters.queued -= 1
-            if request.handle.cancelled.is_set():
-                self.counters.cancelled += 1
-                outcome = "cancelled"
-            elif waited > self.config.queue_timeout:
-                self.counters.failed += 1
-                outcome = "timeout"
-            else:
-                self.counters.resident += 1
-                self.counters.admitted(int(waited * 1e6), mid_flight=False)
-                outcome = None
-        if outcome is not None:
-            error = None if outcome == "cancelled" else (
-                f"timed out after {self.config.queue_timeout:g} s in the queue")
+        if request.handle.cancelled.is_set() or waited > self.config.queue_timeout:
+            cancelled = request.handle.cancelled.is_set()
+            self.counters.end("cancelled" if cancelled else "error", was_resident=False)
             request.handle.push(RequestOutput(
                 request_id=request.request_id, text="", token_ids=(), finished=True,
-                finish_reason="cancelled" if outcome == "cancelled" else "error", error=error,
-                extras={"status": 429} if outcome == "timeout" else {}))
+                finish_reason="cancelled" if cancelled else "error",
+                error=None if cancelled else f"timed out after {self.config.queue_timeout:g} s in the queue",
+                extras={} if cancelled else {"status": 429}))
             return
-        terminal = "failed"
+        self.counters.seat(int(waited * 1e6), mid_flight=False)
+        reason = "error"
         try:
-            terminal = self._forward(request, self.runtime.handle_request(request.spec, request))
+            reason = self._forward(request, self.runtime.handle_request(request.spec, request))
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
             log.exception("blocking request failed")
             request.handle.push(RequestOutput(
                 request_id=request.request_id, text="", token_ids=(), finished=True,
                 finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
         finally:
-            with self.counters.lock:
-                self.counters.resident -= 1
-                setattr(self.counters, terminal, getattr(self.counters, terminal) + 1)
+            self.counters.end(reason, was_resident=True, num_prompt_tokens=request.num_prompt_tokens)
 
     def _forward(self, request: Request, outputs: Iterator[RequestOutput]) -> str:
-        """Pass the runtime's outputs to the handle; return the terminal counter's name."""
+        """Pass the runtime's outputs to the handle; return the finish reason."""
         last = None
         for out in outputs:
             last = out
@@ -179,8 +152,7 @@ class BlockingEngine:
         if last is None or not request.handle.done.is_set():
             request.handle.push(RequestOutput(
                 request_id=request.request_id, text="", token_ids=(), finished=True, finish_reason="stop"))
-        reason = last.finish_reason if last is not None else "stop"
-        return {"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")
+        return last.finish_reason if last is not None and last.finish_reason else "stop"
 
     def shutdown(self) -> None:
         self._stopping = True

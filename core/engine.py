@@ -80,7 +80,7 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
         raise InvalidRequest(f"the prompt has {num_prompt} tokens; the KV cache holds {capacity}")
     max_tokens = spec.params.max_tokens
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = room  # a cap: KV blocks are taken as the answer grows, never reserved for it
     elif max_tokens > room:
         raise InvalidRequest(
             f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds this model's "
@@ -134,7 +134,6 @@ class RequestEngine:
         )
         self.scheduler.listeners.append(self)
         self._cv = threading.Condition()
-        self._inbox: list[Request] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ifb-engine", daemon=True)
         self._thread.start()
@@ -155,31 +154,18 @@ class RequestEngine:
             if self._stopping:
                 raise EngineFull("the engine is shutting down")
             if wait:
-                if not self._cv.wait_for(lambda: self._in_system() < self.max_in_system, timeout):
+                if not self._cv.wait_for(lambda: self.counters.in_system < self.max_in_system, timeout):
                     raise EngineFull("timed out waiting for room in the batch and queue")
-            with self.counters.lock:
-                self.counters.submitted += 1
-                if self._in_system_locked() >= self.max_in_system:
-                    self.counters.refused += 1
-                    raise EngineFull(
-                        f"the engine is full: {self.config.max_batch_size} running + "
-                        f"{self.config.max_queued_requests} queued")
-            self._inbox.append(request)
-            with self.counters.lock:
-                self.counters.queued += 1  # counted as queued from submit; the scheduler takes it over
+            if not self.scheduler.submit(request, self.max_in_system):
+                raise EngineFull(
+                    f"the engine is full: {self.config.max_batch_size} running + "
+                    f"{self.config.max_queued_requests} queued")
             self._cv.notify_all()
         return request.handle
 
     def is_full(self) -> bool:
         """Whether a submit now would be refused for back-pressure."""
-        return self._in_system() >= self.max_in_system
-
-    def _in_system(self) -> int:
-        with self.counters.lock:
-            return self._in_system_locked()
-
-    def _in_system_locked(self) -> int:
-        return self.counters.queued + self.counters.resident
+        return self.counters.in_system >= self.max_in_system
 
     def _wake(self) -> None:
         with self._cv:
@@ -198,14 +184,9 @@ class RequestEngine:
         scheduler = self.scheduler
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or self._inbox or scheduler.has_work)
+                self._cv.wait_for(lambda: self._stopping or scheduler.has_work)
                 if self._stopping:
                     break
-                inbox, self._inbox = self._inbox, []
-            for request in inbox:
-                with self.counters.lock:
-                    self.counters.queued -= 1  # Scheduler.add counts it again
-                scheduler.add(request)
             step = scheduler.schedule()
             if step is None:
                 continue
@@ -215,17 +196,7 @@ class RequestEngine:
             except Exception as exc:  # noqa: BLE001 - one step's fault fails that step only
                 log.exception("step %d failed", step.step_id)
                 scheduler.fail_step(step, exc)
-        self._drain_on_shutdown()
-
-    def _drain_on_shutdown(self) -> None:
-        with self._cv:
-            inbox, self._inbox = self._inbox, []
-        for request in inbox:
-            with self.counters.lock:
-                self.counters.queued -= 1
-            self.scheduler.add(request)
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self.scheduler.finish(request, "cancelled")
+        scheduler.shutdown()
 
     def shutdown(self) -> None:
         with self._cv:

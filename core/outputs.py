@@ -162,6 +162,17 @@ class RequestHandle:
                 return
             yield item
 
+    def ready(self) -> list[RequestOutput]:
+        """The outputs that have arrived so far and not been read, without waiting (sync consumers)."""
+        out = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not _END:
+                out.append(item)
+
     def result(self) -> FinalOutput:
         """Block until the request finishes and return the assembled result."""
         return collect(self)

@@ -42,6 +42,8 @@ class Request:
     first_token_time: float | None = None
     finish_reason: str | None = None
     index: int = 0
+    #: times the request left its seat for lack of KV blocks (it is recomputed when seated again)
+    num_preemptions: int = 0
 
     @property
     def params(self) -> SamplingParams:

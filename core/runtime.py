@@ -6,12 +6,16 @@ a ``StepOutput``. Nothing else crosses: the runtime never sees engine state.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 import attrs
 
 from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
+
+if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
+    from ifb.outputs import RequestOutput
+    from ifb.request import Request
 
 
 @attrs.frozen
@@ -75,10 +79,16 @@ class Tokenizer(Protocol):
 
 
 class Runtime(Protocol):
-    """What a plugin's ``load`` returns.
+    """What a plugin's ``load`` returns: exactly what the engines call and read.
 
-    A stepped runtime implements ``execute``; every runtime implements
-    ``handle_request`` (the blocking path: one request, start to finish).
+    ``RequestEngine`` (in-flight batching) calls ``prepare`` from submitting
+    threads and ``execute`` and ``release`` from its one actor thread;
+    ``BlockingEngine`` calls ``prepare`` and then ``handle_request`` from its
+    worker thread, one request at a time. A runtime without stepped execution
+    (``caps.stepped_execution`` false) needs no ``execute``; its ``release`` is
+    never called. Both engines read the attributes below; ``num_kv_blocks`` and
+    ``kv_block_size`` size the engine's block bookkeeping (the runtime owns the
+    tensors) and bound the prompt a request may bring.
     """
 
     model_name: str
@@ -89,13 +99,24 @@ class Runtime(Protocol):
     num_kv_blocks: int
 
     def prepare(self, spec: RequestSpec) -> Prepared:
-        """Tokenize (render chat, encode media); raise InvalidRequest on bad input."""
+        """Tokenize (render chat, encode media); raise InvalidRequest on bad input. Any thread."""
 
     def execute(self, step: ScheduledStep) -> StepOutput:
-        """Run one forward over the step's tokens and sample where asked."""
+        """Run one forward over the step's tokens and sample where ``is_sampling`` asks.
+
+        ``step.reset_seats`` name seats whose per-seat state must start clean;
+        a sequence's ``start_pos`` may go back to 0 for a request that was
+        preempted and is being recomputed.
+        """
 
     def release(self, request_id: str, seat: int) -> None:
-        """A request left its seat (finished, cancelled or failed)."""
+        """A request left its seat: finished, cancelled, failed or preempted (it may come back)."""
 
-    def handle_request(self, spec: RequestSpec, prepared: Prepared) -> Iterator[Any]:
-        """Serve one request alone; yields ``RequestOutput`` objects."""
+    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
+        """Serve one request alone on the blocking path; yield its outputs, the last one ``finished``.
+
+        ``request`` is the engine's ``Request`` built from ``spec`` and this
+        runtime's ``prepare``: its ``prompt_token_ids`` and ``extras`` are the
+        prepared ones. A stepped runtime usually implements this with
+        ``ifb.blocking.drive_alone``.
+        """

@@ -1,15 +1,22 @@
-"""FCFS admission at step boundaries and step building under a token budget.
+"""FCFS admission at step boundaries, KV blocks on demand, preemption, step building.
 
 ``schedule()`` runs at a boundary: cancelled requests leave, the queue head
-joins while it may, and a step is built. ``update(step, output)`` advances the
-requests of that step, streams their tokens and frees what finished. The
-scheduler never touches a model: it exchanges frozen steps and outputs.
+joins while it may, a step is planned under the token budget, and each planned
+request gets the KV blocks its share of the step needs. When the pool cannot
+cover a share, the most recently admitted residents are preempted: they leave
+their seats, their blocks are freed, and they go back to the head of the
+queue, where they are recomputed from their prompt plus the tokens they have
+already generated (nothing streamed is sent again). ``update(step, output)``
+advances the requests of that step, streams their tokens and frees what
+finished. The scheduler never touches a model: it exchanges frozen steps and
+outputs. It is also the only code that moves its counters.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from typing import Callable, Protocol
 
@@ -32,7 +39,12 @@ class PrefixMatcher(Protocol):
         """The step finished: publish the full blocks it computed."""
 
     def forget(self, request: Request) -> None:
-        """The request left; drop any per-request bookkeeping."""
+        """The request left its seat; drop any per-request bookkeeping."""
+
+
+def default_watermark(num_blocks: int) -> int:
+    """Blocks a joiner must leave free beyond its own prefill: 1 % of the pool, at least one."""
+    return max(1, num_blocks // 100)
 
 
 class Scheduler:
@@ -50,6 +62,7 @@ class Scheduler:
         static_batching: bool = False,
         release: Callable[[Request], None] = lambda r: None,
         prefix: PrefixMatcher | None = None,
+        watermark: int | None = None,
     ):
         if token_budget < num_seats:
             raise ValueError(f"the token budget ({token_budget}) must cover one decode token per seat ({num_seats})")
@@ -60,38 +73,66 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.counters = counters or SchedulingCounters()
         self.batch_wide_sampling = batch_wide_sampling
+        #: the spec's batch-wide generation length: a joiner's max_tokens must equal the founder's and
+        #: its whole prompt + max_tokens is reserved at admission, so nobody is ever preempted
         self.batch_wide_length = batch_wide_length
         self.static_batching = static_batching
         self.release = release
         self.prefix = prefix
+        #: free blocks a joiner must leave beyond its prefill, plus one per resident (room to grow)
+        self.watermark = default_watermark(blocks.num_blocks) if watermark is None else watermark
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
+        #: the number of steps built so far (the last step's id)
+        self.num_steps = 0
+        self.listeners: list = []  # objects with on_token(req, now) / on_finish(req, now)
+        #: why each request that is not in the last step was left out (for tests and debugging)
+        self.exclusions: dict[str, str] = {}
         self._free_seats = list(range(num_seats))
         self._batch_key: tuple | None = None
         self._batch_length: int | None = None
-        self._step_id = 0
-        self.listeners: list = []  # objects with on_token(req, now) / on_finish(req, now)
+        #: requests submitted from other threads, taken in at the next boundary
+        self._inbox: list[Request] = []
+        self._inbox_lock = threading.Lock()
         #: while update() runs: async consumers' outputs, handed over once at its end
         self._deliveries: Deliveries | None = None
-        #: why each request that is not in the last step was left out (for tests and debugging)
-        self.exclusions: dict[str, str] = {}
 
     # ---- intake ----
+    def submit(self, request: Request, max_in_system: int | None = None) -> bool:
+        """Count and queue a request from any thread; False (counted refused) when the system is full."""
+        with self._inbox_lock:
+            if not self.counters.submit(max_in_system):
+                return False
+            self._inbox.append(request)
+        return True
+
     def add(self, request: Request) -> None:
-        with self.counters.lock:
-            self.counters.queued += 1
+        """Count and queue a request now (the thread that runs the boundaries)."""
+        self.counters.submit()
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def _take_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for request in inbox:
+            self._enqueue(request)
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _blocks_needed(self, request: Request) -> int:
-        return self.blocks.blocks_for(request.num_prompt_tokens + request.max_tokens)
+        with self._inbox_lock:
+            return bool(self.waiting or self.running or self._inbox)
 
     # ---- admission ----
+    def _admission_blocks(self, request: Request) -> int:
+        if self.batch_wide_length:
+            return self.blocks.blocks_for(request.num_prompt_tokens + request.max_tokens)
+        return self.blocks.blocks_for(request.num_tokens)  # its prefill: prompt + tokens already generated
+
     def head_may_join(self, head: Request) -> str | None:
         """Why the queue head cannot join the running batch now (a stall counter), or None."""
         if not self.running:
@@ -104,7 +145,8 @@ class Scheduler:
             return "stalls_incompatible"
         if self.batch_wide_length and head.max_tokens != self._batch_length:
             return "stalls_incompatible"  # generation length is a batch-wide setting here
-        if not self.blocks.can_allocate(self._blocks_needed(head)):
+        reserve = 0 if self.batch_wide_length else self.watermark + len(self.running)
+        if not self.blocks.can_allocate(self._admission_blocks(head) + reserve):
             return "stalls_no_capacity"
         return None
 
@@ -119,17 +161,17 @@ class Scheduler:
             head = self.waiting[0]
             stall = self.head_may_join(head)
             if stall is not None:
-                with self.counters.lock:
-                    self.counters.stall(stall)
+                self.counters.stall(stall)
                 return stall
-            if not self.running:
+            if not self.running and self.batch_wide_length:
                 self._fit_founder(head)
             self._seat(head, mid_flight=not founding)
             reset_seats.append(head.seat)
         return None
 
     def _fit_founder(self, head: Request) -> None:
-        # A founder that cannot fit the whole cache even alone runs with a clamped length.
+        # With a batch-wide length the founder's whole length is reserved: one that cannot fit the
+        # cache even alone runs with a clamped length.
         room = self.blocks.num_free * self.blocks.block_size - head.num_prompt_tokens
         head.max_tokens = max(1, min(head.max_tokens, room))
 
@@ -137,36 +179,50 @@ class Scheduler:
         self.waiting.popleft()
         now = time.monotonic()
         leased, num_cached = self.prefix.match(head) if self.prefix else ([], 0)
-        new_blocks = self._blocks_needed(head) - len(leased)
-        head.block_ids = leased + self.blocks.allocate(max(0, new_blocks))
+        head.block_ids = leased
+        if self.batch_wide_length:
+            head.block_ids += self.blocks.allocate(max(0, self._admission_blocks(head) - len(leased)))
         head.num_computed_tokens = num_cached
         self._free_seats.sort()
         head.seat = self._free_seats.pop(0)
         head.status = Status.RUNNING
-        head.admitted_time = now
         if not self.running:
             self._batch_key = head.params.batch_key()
             self._batch_length = head.max_tokens
         self.running.append(head)
-        with self.counters.lock:
-            self.counters.queued -= 1
-            self.counters.resident += 1
-            self.counters.admitted(int((now - head.arrival_time) * 1e6), mid_flight)
+        if head.num_preemptions:
+            self.counters.seat(None, mid_flight)  # coming back: its queue latency was counted once
+        else:
+            head.admitted_time = now
+            self.counters.seat(int((now - head.arrival_time) * 1e6), mid_flight)
 
     # ---- boundary ----
     def schedule(self) -> ScheduledStep | None:
         """Run one boundary and return the next step, or None when there is nothing to run."""
+        self._take_inbox()
         for request in [r for r in (*self.running, *self.waiting) if r.handle.cancelled.is_set()]:
             self.finish(request, "cancelled")
-        reset_seats: list[int] = []
-        head_reason = self._admit_at_boundary(reset_seats)
-        self.exclusions = {}
-        for i, r in enumerate(self.waiting):
-            self.exclusions[r.request_id] = head_reason if i == 0 else "behind the queue head (FCFS)"
-        if not self.running:
-            return None
+        while True:
+            reset_seats: list[int] = []
+            head_reason = self._admit_at_boundary(reset_seats)
+            self.exclusions = {}
+            for i, r in enumerate(self.waiting):
+                self.exclusions[r.request_id] = head_reason if i == 0 else "behind the queue head (FCFS)"
+            if not self.running:
+                return None
+            shares = self._grow(self._plan())
+            if shares:
+                break
+            # everyone planned was preempted or ran out of cache: the next boundary now
+        seats = {r.seat for r in self.running}
+        self.num_steps += 1
+        return ScheduledStep(step_id=self.num_steps, seqs=tuple(self._scheduled_seq(r, n) for r, n in shares),
+                             reset_seats=tuple(s for s in reset_seats if s in seats))
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """Each resident's share of the step: decode tokens first, then prefill chunks in admission order."""
         budget = self.token_budget
-        seqs = []
+        plan = []
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for r in decoding + prefilling:
@@ -175,9 +231,72 @@ class Scheduler:
                 continue
             num_new = min(r.num_tokens - r.num_computed_tokens, budget)
             budget -= num_new
-            seqs.append(self._scheduled_seq(r, num_new))
-        self._step_id += 1
-        return ScheduledStep(step_id=self._step_id, seqs=tuple(seqs), reset_seats=tuple(reset_seats))
+            plan.append((r, num_new))
+        return plan
+
+    def _grow(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Give each planned share its KV blocks, oldest resident first; preempt the youngest when short.
+
+        A prefill chunk shrinks to what fits before anyone is preempted. A lone
+        resident that outgrows the whole pool finishes with ``length``.
+        """
+        order = {id(r): i for i, r in enumerate(self.running)}
+        granted: dict[int, int] = {}
+        for r, num_new in sorted(plan, key=lambda share: order[id(share[0])]):
+            if r.status is not Status.RUNNING:
+                continue  # preempted for an older resident in this same step
+            need = self._blocks_to_grow(r, num_new)
+            while need > self.blocks.num_free:
+                fit = (len(r.block_ids) + self.blocks.num_free) * self.blocks.block_size - r.num_computed_tokens
+                if 1 <= fit < num_new:
+                    num_new = fit
+                elif self.running[-1] is not r:
+                    self.preempt(self.running[-1])
+                else:
+                    break
+                need = self._blocks_to_grow(r, num_new)
+            if need > self.blocks.num_free:
+                if len(self.running) == 1:
+                    self.finish(r, "length")  # the context reached the KV cache's capacity
+                else:
+                    self.preempt(r)
+                continue
+            r.block_ids += self.blocks.allocate(need)
+            granted[id(r)] = num_new
+        return [(r, granted[id(r)]) for r, _ in plan if id(r) in granted and r.status is Status.RUNNING]
+
+    def _blocks_to_grow(self, r: Request, num_new: int) -> int:
+        return max(0, self.blocks.blocks_for(r.num_computed_tokens + num_new) - len(r.block_ids))
+
+    def preempt(self, r: Request) -> None:
+        """Send a resident back to the head of the queue; it is recomputed when it is seated again.
+
+        Its blocks are freed (a context cache keeps the published ones for
+        reuse) and its per-seat runtime state is released. Its generated tokens
+        stay: they are prefilled again with the prompt, never streamed again.
+        """
+        self._vacate(r)
+        r.status = Status.WAITING
+        r.seat = None
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        # victims leave youngest first, so putting each at the head keeps the queue in arrival order
+        self.waiting.appendleft(r)
+        self.exclusions[r.request_id] = "preempted: the KV pool ran out"
+        self.counters.preempt()
+        log.debug("preempted %s (%d tokens to recompute)", r.request_id, r.num_tokens)
+
+    def _vacate(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.free(r.block_ids)
+        r.block_ids = []
+        self._free_seats.append(r.seat)
+        if self.prefix is not None:
+            self.prefix.forget(r)
+        try:
+            self.release(r)
+        except Exception:  # noqa: BLE001 - the request goes on (or still gets its final output)
+            log.exception("runtime release failed for %s", r.request_id)
 
     def _scheduled_seq(self, r: Request, num_new: int) -> ScheduledSeq:
         start = r.num_computed_tokens
@@ -221,13 +340,14 @@ class Scheduler:
         token_ids, logprobs = ((token,), (logprob,) if logprob is not None else ()) if is_eos else ((), ())
         for listener in self.listeners:
             listener.on_token(r, now)
-        with self.counters.lock:
-            self.counters.generation_tokens += 1
+        self.counters.add_generation_tokens(1)
         reason = None
         if is_eos or token in r.params.stop_token_ids or r.detok.stopped:
             reason = "stop"
         elif len(r.output_token_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
             reason = "length"
+        elif r.num_tokens > self.blocks.num_blocks * self.blocks.block_size:
+            reason = "length"  # the next token could not be computed: the context fills the whole KV cache
         if reason is not None:
             self.finish(r, reason, token_ids=token_ids, logprobs=logprobs)
         else:
@@ -264,26 +384,10 @@ class Scheduler:
         r.finish_reason = reason
         self.requests.pop(r.request_id, None)
         if was is Status.RUNNING:
-            self.running.remove(r)
-            self.blocks.free(r.block_ids)
-            r.block_ids = []
-            self._free_seats.append(r.seat)
-            if self.prefix is not None:
-                self.prefix.forget(r)
-            try:
-                self.release(r)
-            except Exception:  # noqa: BLE001 - the request still gets its final output
-                log.exception("runtime release failed for %s", r.request_id)
+            self._vacate(r)
         else:
             self.waiting.remove(r)
-        terminal = {"cancelled": "cancelled", "error": "failed"}.get(reason, "completed")
-        with self.counters.lock:
-            if was is Status.RUNNING:
-                self.counters.resident -= 1
-            else:
-                self.counters.queued -= 1
-            setattr(self.counters, terminal, getattr(self.counters, terminal) + 1)
-            self.counters.prompt_tokens += r.num_prompt_tokens if was is Status.RUNNING else 0
+        self.counters.end(reason, was_resident=was is Status.RUNNING, num_prompt_tokens=r.num_prompt_tokens)
         if reason in ("stop", "length"):
             r.detok.flush()
         now = time.monotonic()
@@ -297,3 +401,9 @@ class Scheduler:
             num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
             logprobs=held_logprobs + logprobs, error=error, index=r.index,
         ), self._deliveries)
+
+    def shutdown(self) -> None:
+        """Cancel everything still queued or seated (the engine is stopping)."""
+        self._take_inbox()
+        for request in [*self.running, *self.waiting]:
+            self.finish(request, "cancelled")

@@ -20,7 +20,7 @@ def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0):
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine never took the request")
             time.sleep(0.0005)
-        target = engine.scheduler._step_id + gap_steps
-        while engine.scheduler._step_id < target and not handle.done.is_set() and time.monotonic() < deadline:
+        target = engine.scheduler.num_steps + gap_steps
+        while engine.scheduler.num_steps < target and not handle.done.is_set() and time.monotonic() < deadline:
             time.sleep(0.0005)
     return [h.result() for h in handles]

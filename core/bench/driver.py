@@ -42,7 +42,7 @@ class RequestResult:
     """What one request measured; times are seconds since the start of the run."""
 
     index: int
-    max_tokens: int
+    max_tokens: int | None
     send_time: float
     end_time: float = 0.0
     #: when each chunk that carried text arrived
@@ -88,8 +88,9 @@ def _headers(target: Target) -> dict[str, str]:
 
 def build_payload(planned: PlannedRequest, target: Target, model: str, ignore_eos: bool) -> dict:
     """The JSON body of one streaming request (greedy, usage reported at the end)."""
-    body: dict = {"model": model, "max_tokens": planned.max_tokens, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {"model": model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if planned.max_tokens is not None:
+        body["max_tokens"] = planned.max_tokens
     if ignore_eos:
         body["ignore_eos"] = True
     if target.endpoint == "chat":

@@ -91,7 +91,7 @@ def summarize(record: RunRecord) -> dict:
     wall = record.wall_time
     num_tokens = sum(r.output_tokens for r in ok)
     itls = [gap for r in ok for gap in r.inter_token_latencies]
-    short = sum(1 for r in ok if r.output_tokens != r.max_tokens)
+    short = sum(1 for r in ok if r.max_tokens is not None and r.output_tokens != r.max_tokens)
     return {
         "num_requests": len(record.results),
         "num_ok": len(ok),

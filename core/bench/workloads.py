@@ -62,7 +62,8 @@ class PlannedRequest:
     prompt: str
     #: the shared system prompt (shared_prefix), or None
     system: str | None
-    max_tokens: int
+    #: None: the request carries no max_tokens (the answer ends at EOS, or at the server's cap)
+    max_tokens: int | None
 
 
 @attrs.frozen
@@ -87,6 +88,11 @@ class Workload:
     shared_prefix_words: int = 0
     #: ask the server to ignore end-of-sequence, so each answer has exactly its planned length
     ignore_eos: bool = True
+    #: False: send no max_tokens, as OpenAI clients do by default (answers end at EOS;
+    #: ``output_lengths`` is then unused). Use it with ``--endpoint chat``: completions default to 16.
+    send_max_tokens: bool = True
+    #: the words each prompt starts with, before its drawn words
+    instruction: str = USER_INTRO
 
     def __attrs_post_init__(self) -> None:
         if self.num_requests < 1:
@@ -124,6 +130,7 @@ class Workload:
             changes["rate"] = rate
         if max_tokens is not None:
             changes["output_lengths"] = (LengthBand(1.0, max_tokens, max_tokens),)
+            changes["send_max_tokens"] = True
         if seed is not None:
             changes["seed"] = seed
         if ignore_eos is not None:
@@ -148,9 +155,9 @@ class Workload:
                 send_at = clock
                 clock += arrivals.expovariate(self.rate)
             num_words = words.randint(*self.prompt_words)
-            prompt = f"{USER_INTRO} {_words(words, num_words)}"
+            prompt = f"{self.instruction} {_words(words, num_words)}"
             planned.append(PlannedRequest(index=index, send_at=send_at, prompt=prompt, system=system,
-                                          max_tokens=self._draw_length(lengths)))
+                                          max_tokens=self._draw_length(lengths) if self.send_max_tokens else None))
         return planned
 
     def _draw_length(self, rng: random.Random) -> int:

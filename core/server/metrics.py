@@ -18,7 +18,7 @@ from ifb.outputs import RequestOutput
 
 PREFIX = "ifb_"
 #: scheduling counters exported as ``ifb_scheduling_<name>_total``
-_CUMULATIVE = ("submitted", "completed", "cancelled", "failed", "refused", "admitted_mid_flight")
+_CUMULATIVE = ("submitted", "completed", "cancelled", "failed", "refused", "admitted_mid_flight", "preempted")
 _PREFIX_CACHE = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

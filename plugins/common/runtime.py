@@ -9,6 +9,7 @@ LoRA adapters and the legacy system-prompt KV capture.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,11 +35,42 @@ KV_BLOCK_SIZE = 16
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def kv_capacity_tokens(config: DeployConfig, max_model_len: int) -> int:
-    """Tokens of KV to allocate: --max-kv-cache-capacity, or room for every seat at 2k tokens."""
+#: share of the memory free at start-up that the default KV cache may take, per device kind
+KV_MEMORY_FRACTION = {"cpu": 0.1, "cuda": 0.5}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now: the CUDA allocator's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token: int | None = None,
+                       device: torch.device | None = None) -> int:
+    """Tokens of KV to allocate: ``--max-kv-cache-capacity``, or a default sized from memory.
+
+    KV blocks are taken as sequences grow, so a bigger pool seats more long
+    answers at once. The default is what a tenth of the host's available memory
+    holds (half the free memory on a CUDA device), at most every seat at the
+    full context, and at least one full context. Without ``bytes_per_token``
+    (a runtime that does not size from memory) it is room for every seat at 2k tokens.
+    """
     if config.max_kv_cache_capacity:
         return config.max_kv_cache_capacity
-    return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+    if bytes_per_token is None:
+        return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+    device = device or torch.device("cpu")
+    fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
+    affordable = int(free_memory_bytes(device) * fraction) // bytes_per_token
+    return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
 class TextRuntime:
@@ -57,9 +89,11 @@ class TextRuntime:
             # beyond it it would not, so the context stops at the window
             self.max_model_len = min(self.max_model_len, model.config.sliding_window)
         self.kv_block_size = KV_BLOCK_SIZE
-        capacity = kv_capacity_tokens(config, self.max_model_len)
-        self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.device = next(model.parameters()).device
+        c = model.config
+        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
+        self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size

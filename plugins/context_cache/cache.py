@@ -77,11 +77,15 @@ class PrefixCache:
 
     # ---- PrefixMatcher ----
     def match(self, request: Request) -> tuple[list[int], int]:
-        """Lease the longest published prefix of the prompt, leaving at least one token to compute."""
+        """Lease the longest published prefix of the request's tokens, leaving at least one to compute.
+
+        A request coming back from preemption matches its generated tokens too:
+        the blocks it published before it left are reused rather than recomputed.
+        """
         size = self.blocks.block_size
         tracked = _Tracked(kv_salt(request))
         self._tracked[request.request_id] = tracked
-        prompt = request.prompt_token_ids
+        prompt = request.all_token_ids()
         leased: list[int] = []
         parent = b""
         for i in range((len(prompt) - 1) // size):

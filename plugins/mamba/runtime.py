@@ -11,6 +11,9 @@ keeps its seat from admission to release, so joiners prefill in place: a
 prefill chunk continues from the state its previous chunk left, and nothing
 moves when others join or leave. Seats named in ``ScheduledStep.reset_seats``
 are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
+A request preempted for lack of KV blocks is released like any other; when it
+is seated again (perhaps in another seat, reset first) its prompt and generated
+tokens are prefilled from position 0, so its state is recomputed, not saved.
 """
 
 from __future__ import annotations

@@ -52,6 +52,30 @@ def test_outputs_stream_and_match_single_runs():
         eng.shutdown()
 
 
+def test_requests_without_max_tokens_share_a_small_pool_through_preemption():
+    # 64 tokens of KV; four answers of 20 tokens (then EOS) without max_tokens: they cannot all stay
+    rt = FakeRuntime(num_kv_blocks=16, kv_block_size=4)
+    rt.lengths.update({f"q{i}": 20 for i in range(4)})
+    eng = engine(rt)
+    try:
+        prompts = [list(range(1, 6 + i)) for i in range(4)]
+        handles = [eng.submit(RequestSpec(prompt_token_ids=tuple(p), request_id=f"q{i}",
+                                          params=SamplingParams(temperature=0.0)))
+                   for i, p in enumerate(prompts)]
+        for p, h in zip(prompts, handles):
+            outs = list(h)
+            streamed = [t for o in outs for t in o.token_ids]
+            assert streamed == expected(p, 19) + [0]  # each token once, as if never interrupted
+            assert "".join(o.text for o in outs) == rt.tokenizer.decode(streamed)
+            assert outs[-1].finish_reason == "stop"
+        health = eng.health()["scheduling"]
+        assert health["preempted"] > 0 and health["completed"] == 4
+        assert eng.counters.is_consistent()
+        eng.blocks.check_no_leaks()
+    finally:
+        eng.shutdown()
+
+
 def test_async_iteration():
     eng = engine()
 

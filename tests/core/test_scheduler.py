@@ -130,12 +130,108 @@ def test_guided_head_waits_then_runs_alone():
     assert s.exclusions == {"plain": "stalls_guided"}
 
 
-def test_no_kv_room_is_a_capacity_stall_and_a_lone_founder_is_clamped():
+def test_blocks_are_allocated_as_the_sequence_grows():
     rt = FakeRuntime()
-    s = scheduler(rt, seats=4, budget=32, blocks=6)  # 24 tokens of KV
-    a = make(rt, "a", 4, max_tokens=12)  # needs 16 tokens = 4 blocks
+    s = scheduler(rt, seats=2, budget=32, blocks=64)
+    a = make(rt, "a", 5, max_tokens=None)  # a cap of the whole context, nothing reserved for it
+    s.add(a)
+    step = s.schedule()
+    assert len(step.seqs[0].block_ids) == 2 == len(a.block_ids)  # 5 prompt tokens in blocks of 4
+    run_step(s, step)
+    held = []
+    for _ in range(8):
+        step = s.schedule()
+        held.append(len(step.seqs[0].block_ids))
+        run_step(s, step)
+    # token 6 is computed in the first decode; each further block starts at 9, 13
+    assert held == [2, 2, 2, 3, 3, 3, 3, 4]
+    assert s.blocks.num_free == 64 - 4
+
+
+def test_no_kv_room_for_the_prefill_and_watermark_is_a_capacity_stall():
+    rt = FakeRuntime()
+    s = scheduler(rt, seats=4, budget=32, blocks=6, watermark=1)  # 24 tokens of KV
+    a = make(rt, "a", 12)
+    s.add(a)
+    run_step(s, s.schedule())  # 3 blocks held
+    b = make(rt, "b", 5)  # 2 blocks + watermark 1 + one per resident 1 = 4 > 3 free
+    s.add(b)
+    s.schedule()
+    assert s.exclusions == {"b": "stalls_no_capacity"}
+    assert s.counters.stalls["stalls_no_capacity"] == 1
+    c = make(rt, "c", 4)
+    s2 = scheduler(rt, seats=4, budget=32, blocks=6, watermark=1)
+    s2.add(a2 := make(rt, "a2", 12))
+    run_step(s2, s2.schedule())
+    s2.add(c)  # 1 + 1 + 1 = 3 fits the 3 free blocks
+    assert set(shares(s2.schedule())) == {"a2", "c"}
+
+
+def test_the_youngest_resident_is_preempted_recomputed_and_never_streams_twice():
+    rt = FakeRuntime()
+    s = scheduler(rt, seats=2, budget=16, blocks=6, watermark=0)  # 24 tokens of KV
+    old, young = make(rt, "old", 6, max_tokens=14), make(rt, "young", 6, max_tokens=14)
+    s.add(old)
+    s.add(young)
+    streamed = {"old": [], "young": []}
+    sent, reasons = [], set()
+    while s.has_work:
+        step = s.schedule()
+        if step is None:
+            break
+        sent.append(step)
+        s.update(step, rt.execute(step))
+        for r in (old, young):
+            for out in r.handle.ready():
+                streamed[r.request_id].extend(out.token_ids)
+        if young.num_preemptions == 1 and young.status.value == "waiting":
+            assert list(s.waiting) == [young] and young.block_ids == [] and young.seat is None
+            reasons.add(s.exclusions["young"])
+            assert s.counters.snapshot()["preempted"] == 1 and s.counters.is_consistent()
+    assert old.num_preemptions == 0 and young.num_preemptions == 1
+    assert "preempted: the KV pool ran out" in reasons  # then it waits as any head does
+    # the first step after its return recomputes the prompt and what it had generated, then samples
+    back = next(q for st in sent for q in st.seqs if q.request_id == "young" and q.start_pos == 0 and st is not sent[0])
+    assert back.token_ids == back.all_token_ids and back.is_sampling and len(back.token_ids) > 6
+    for r in (old, young):
+        alone = FakeRuntime()
+        t = scheduler(alone, seats=1, budget=16, blocks=64)
+        twin = make(alone, r.request_id, 6, max_tokens=14)
+        t.add(twin)
+        while t.has_work:
+            run_step_real(t, alone)
+        assert r.output_token_ids == twin.output_token_ids
+        assert streamed[r.request_id] == r.output_token_ids  # every token streamed exactly once
+    s.blocks.check_no_leaks()
+    assert s.counters.is_consistent()
+
+
+def run_step_real(s, rt):
+    step = s.schedule()
+    if step is not None:
+        s.update(step, rt.execute(step))
+
+
+def test_a_lone_resident_that_outgrows_the_pool_ends_with_length():
+    rt = FakeRuntime()
+    s = scheduler(rt, seats=2, budget=32, blocks=6)
+    big = make(rt, "big", 8, max_tokens=None)
+    s.add(big)
+    while s.has_work:
+        run_step_real(s, rt)
+    # 24 tokens fill the cache; the one sampled from them is the last
+    assert big.finish_reason == "length" and big.num_tokens == 25
+    assert s.counters.snapshot()["preempted"] == 0
+    s.blocks.check_no_leaks()
+
+
+def test_a_batch_wide_length_reserves_prompt_plus_max_tokens_and_clamps_a_lone_founder():
+    rt = FakeRuntime()
+    s = scheduler(rt, seats=4, budget=32, blocks=6, batch_wide_length=True)  # 24 tokens of KV
+    a = make(rt, "a", 4, max_tokens=12)  # reserves 16 tokens = 4 blocks
     s.add(a)
     run_step(s, s.schedule())
+    assert len(a.block_ids) == 4
     b = make(rt, "b", 4, max_tokens=12)
     s.add(b)
     s.schedule()
@@ -143,7 +239,7 @@ def test_no_kv_room_is_a_capacity_stall_and_a_lone_founder_is_clamped():
     assert s.counters.stalls["stalls_no_capacity"] == 1
 
     big = make(rt, "big", 8, max_tokens=100)  # cannot fit even alone: founds with a clamped length
-    s2 = scheduler(rt, seats=2, budget=32, blocks=6)
+    s2 = scheduler(rt, seats=2, budget=32, blocks=6, batch_wide_length=True)
     s2.add(big)
     s2.schedule()
     assert big.max_tokens == 24 - 8

@@ -228,7 +228,7 @@ def test_metrics_parse_and_follow_the_counters(server, client):
     value = {name: f.samples[0].value for name, f in families.items() if f.type in ("counter", "gauge")}
     snap = deployment.engine.counters.snapshot()
     for name in ("submitted", "completed", "cancelled", "failed", "refused", "admitted_mid_flight",
-                 "stalls_incompatible", "stalls_guided", "stalls_no_capacity"):
+                 "stalls_incompatible", "stalls_guided", "stalls_no_capacity", "preempted"):
         assert value[f"ifb_scheduling_{name}"] == snap[name], name
     assert value["ifb_requests_running"] == 0 and value["ifb_requests_waiting"] == 0
     assert value["ifb_prompt_tokens"] == 5 and value["ifb_generation_tokens"] == 4
