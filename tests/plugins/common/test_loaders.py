@@ -7,13 +7,11 @@ from pathlib import Path
 
 import attrs
 import gguf
-import numpy as np
 import pytest
 import torch
 
 from ifb_plugins.common.attention import build_attn_metadata
 from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.text.default_model import ModelResolutionError, resolve_model
 from ifb_plugins.common.gguf_loader import read_gguf_tensors
 from ifb_plugins.common.loader import build_model, load_checkpoint
 from ifb_plugins.common.model import TextModel, allocate_kv_cache, rope_inv_freq
@@ -155,17 +153,3 @@ def test_load_checkpoint_rejects_what_it_cannot_read(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "notes.txt")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_checkpoint(tmp_path)
-
-
-def test_resolve_model_paths_names_and_bad_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert resolve_model(str(tmp_path)) == tmp_path
-    with pytest.raises(ModelResolutionError, match="smollm2-135m-instruct"):
-        resolve_model("no-such-model")
-    # A corrupted cached file is refused and deleted (no download happens here).
-    monkeypatch.setenv("IFB_MODEL_CACHE", str(tmp_path / "cache"))
-    bad = tmp_path / "cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    bad.parent.mkdir()
-    bad.write_bytes(np.zeros(16, np.uint8).tobytes())
-    with pytest.raises(ModelResolutionError, match="failed verification"):
-        resolve_model(None)
-    assert not bad.exists()
