@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
 log = logging.getLogger("ifb.server")
 
@@ -41,9 +42,10 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 
 
-@click.command()
+@click.command(cls=PluginFlagsCommand)
 @click.argument("model", required=False)
-@click.option("--plugin", default="text", show_default=True, help="Plugin (deployment kind) that loads the model.")
+@click.option("--plugin", default=None,
+              help="Plugin (deployment kind) that loads the model.  [default: the installed default kind]")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Requests that decode together (seats in the running batch).")
 @click.option("--enable-in-flight-batching", is_flag=True,
@@ -67,28 +69,17 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.option("--warmup-prompt", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A system prompt file to prefill and publish before serving (needs --enable-context-reuse).")
-@click.option("--visual-token-pruner", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              metavar="RATIO", help="(vlm) Keep this fraction of the visual tokens; media requests become founder-only.")
-@click.option("--allowed-local-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="(vlm) A directory whose files image/audio URLs may name; local files are refused otherwise.")
-@click.option("--quantization", type=click.Choice(["auto", "int8", "weights-only", "none"]), default="auto",
-              show_default=True,
-              help="(text) auto: a GGUF's blocks times activations quantized to ~15 bits; int8: to 8 bits "
-                   "(faster, coarser); weights-only: times float32 activations; none: dequantize to fp32.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "float16"]), default="auto",
-              show_default=True,
-              help="(text) KV cache precision; auto: float16 with integer activations (auto, int8), else float32.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
-          warmup_prompt: Path | None = None, visual_token_pruner: float | None = None,
-          allowed_local_media_path: Path | None = None, quantization: str = "auto",
-          kv_cache_dtype: str = "auto", static_batching: bool = False) -> None:
+          warmup_prompt: Path | None = None, static_batching: bool = False, **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
-    over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+    The flags marked (PLUGIN) come from the installed plugins (see `ifb matrix`)."""
     import uvicorn
 
     from ifb.deploy import load_deployment
@@ -107,14 +98,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         if not enable_context_reuse:
             raise click.UsageError("--warmup-prompt publishes a prefix in the context cache: add --enable-context-reuse")
         options["warmup_prompt"] = warmup_prompt.read_text()
-    if visual_token_pruner is not None:
-        options["visual_token_pruner"] = visual_token_pruner
-    if allowed_local_media_path is not None:
-        options["allowed_local_media_path"] = str(allowed_local_media_path.resolve())
-    if quantization != "auto":
-        options["quantization"] = quantization
-    if kv_cache_dtype != "auto":
-        options["kv_cache_dtype"] = kv_cache_dtype
+    options.update(setting_options(plugin_flags))
+    plugin = plugin or default_plugin()
     fields = dict(
         model=model, plugin=plugin, max_batch_size=max_batch_size,
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
