@@ -53,4 +53,7 @@ def setting_options(values: dict[str, Any]) -> dict[str, Any]:
 
 def default_plugin() -> str:
     """The name of the kind that loads when ``--plugin`` is not given."""
-    return default_host().default_kind().name
+    try:
+        return default_host().default_kind().name
+    except KeyError as exc:
+        raise click.UsageError(str(exc.args[0])) from None

@@ -85,3 +85,11 @@ def test_every_export_and_public_module_exists() -> None:
     for module in common.PUBLIC_MODULES:
         assert (PLUGINS / "common" / f"{module}.py").exists(), module
 
+
+
+def test_no_source_file_is_over_600_lines() -> None:
+    """Small rooms: every Python and C source of the plugins and the core stays under 600 lines."""
+    roots = (PLUGINS, PLUGINS.parent / "core")
+    sources = [p for root in roots for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")]
+    assert len(sources) > 80
+    assert [str(p.relative_to(PLUGINS.parent)) for p in sources if p.read_text().count("\n") > 600] == []
