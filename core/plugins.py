@@ -89,7 +89,12 @@ class PluginHost:
     def _settings(self) -> dict[str, DeploySetting]:
         settings: dict[str, DeploySetting] = {}
         for impl in self.hook.ifb_deploy_settings.get_hookimpls():  # in registration order
-            for setting in impl.function():
+            try:
+                declared = list(impl.function())
+            except Exception:  # noqa: BLE001 - one plugin's broken hook must not take the others' flags away
+                log.exception("plugin %s: ifb_deploy_settings failed; its settings are not offered", impl.plugin_name)
+                continue
+            for setting in declared:
                 setting = attrs.evolve(setting, plugin=impl.plugin_name)
                 taken = settings.get(setting.name)
                 if setting.name in CORE_SETTING_NAMES or taken is not None:

@@ -55,6 +55,19 @@ def test_a_name_taken_by_the_core_or_another_plugin_is_dropped_with_a_warning(
     assert "the setting level is dropped" in caplog.text and "the setting max_batch_size is dropped" in caplog.text
 
 
+class Broken:
+    @hookimpl
+    def ifb_deploy_settings(self):
+        raise RuntimeError("needs libfoo")
+
+
+def test_a_plugin_whose_hook_fails_is_reported_and_the_others_stay(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="ifb.plugins"):
+        settings = PluginHost(extra_plugins=(Knobs(), Broken())).deploy_settings()
+    assert {s.name for s in settings} >= {"level", "place", "loud"}
+    assert "ifb_deploy_settings failed" in caplog.text and "needs libfoo" in caplog.text
+
+
 def test_the_flags_are_added_to_a_command_and_reach_its_callback(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     host = PluginHost(extra_plugins=(Knobs(),))
