@@ -3,11 +3,14 @@
 Starts each server configuration in turn (never two at once) on a free
 loopback port, waits for ``/health``, drives it with every workload in
 ``benchmarks/workloads/`` through ``ifb.bench``, stops it, then measures the
-transformers ``generate`` baseline in-process. Writes
-``benchmarks/results/<date>/*.json`` (plus PNG plots when matplotlib is there)
-and the results table in ``benchmarks/README.md``.
+transformers ``generate`` baseline in-process. Writes the raw run to
+``benchmarks/runs/<date>/`` (git-ignored: every JSON, a PNG plot per server
+and workload when matplotlib is there, the server logs). With ``--publish`` the
+run replaces the one in ``benchmarks/results/`` (its JSON summaries, logs and
+one plot per workload) and the results table in ``benchmarks/README.md``.
 
-    python benchmarks/run_all.py            # the full suite
+    python benchmarks/run_all.py            # the full suite, kept in benchmarks/runs/
+    python benchmarks/run_all.py --publish  # the full suite, published in results/ and the README
     python benchmarks/run_all.py --quick    # a few short requests per run: checks that everything works
     python benchmarks/run_all.py --table-only benchmarks/results/<date>   # rebuild the README table
 """
@@ -19,6 +22,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,7 +39,12 @@ from ifb.bench.workloads import LengthBand, Workload, load_workload
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS_DIR = HERE / "workloads"
+#: the published run, the one the README cites (one directory; older ones live in git history)
 RESULTS_DIR = HERE / "results"
+#: raw runs, git-ignored
+RUNS_DIR = HERE / "runs"
+#: the server whose plot stands for its workload in a published run
+PLOTTED_MODE = "ifb-inflight"
 README = HERE / "README.md"
 TABLE_BEGIN = "<!-- results:begin (written by run_all.py) -->"
 TABLE_END = "<!-- results:end -->"
@@ -247,6 +256,29 @@ def render_table(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def publish(run_dir: Path, results_dir: Path = RESULTS_DIR) -> Path:
+    """Replace the published run in ``results_dir`` with ``run_dir``: its JSONs and logs, and one plot
+    per workload (``PLOTTED_MODE``'s, else the first there is); returns the published directory."""
+    if results_dir.resolve() in run_dir.resolve().parents:
+        raise ValueError(f"{run_dir} is inside {results_dir}, which publishing replaces")
+    target = results_dir / run_dir.name
+    for old in results_dir.iterdir() if results_dir.exists() else ():
+        if old.is_dir():
+            shutil.rmtree(old)
+    target.mkdir(parents=True)
+    for path in sorted(run_dir.iterdir()):
+        if path.suffix in (".json", ".log"):
+            shutil.copy2(path, target / path.name)
+    plots: dict[str, Path] = {}
+    for path in sorted(run_dir.glob("*__*.png")):
+        mode, workload = path.stem.split("__", 1)
+        if workload not in plots or mode == PLOTTED_MODE:
+            plots[workload] = path
+    for path in plots.values():
+        shutil.copy2(path, target / path.name)
+    return target
+
+
 def update_readme(readme: Path, section: str) -> None:
     """Put ``section`` between the results markers of ``readme`` (appending them if missing)."""
     text = readme.read_text() if readme.exists() else "# Benchmarks\n"
@@ -267,14 +299,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="Comma-separated subset of: %(default)s")
     parser.add_argument("--workloads", default=None,
                         help="Comma-separated workload names from benchmarks/workloads (default: all).")
-    parser.add_argument("--out-dir", type=Path, default=None, help="Default: benchmarks/results/<date>[-quick].")
-    parser.add_argument("--update-readme", action=argparse.BooleanOptionalAction, default=None,
-                        help="Write the table into benchmarks/README.md (default: yes, except with --quick).")
+    parser.add_argument("--out-dir", type=Path, default=None, help="Default: benchmarks/runs/<date>[-quick].")
+    parser.add_argument("--publish", action="store_true",
+                        help="Replace the published run in benchmarks/results/ with this one and write its "
+                             "table into benchmarks/README.md (a full run only).")
     parser.add_argument("--max-batch-size", type=int, default=BATCH, help="Seats of the batched modes.")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--table-only", type=Path, default=None, metavar="RESULTS_DIR",
                         help="Only rebuild the README table from an existing results directory.")
     args = parser.parse_args(argv)
+    if args.publish and args.quick:
+        parser.error("a quick run is not representative: --publish takes a full run")
 
     if args.table_only is not None:
         update_readme(README, render_table(args.table_only.resolve()))
@@ -300,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         workloads = [quick_variant(w) for w in workloads]
 
     date = dt.date.today().isoformat()
-    out_dir = (args.out_dir or RESULTS_DIR / (f"{date}-quick" if args.quick else date)).resolve()
+    out_dir = (args.out_dir or RUNS_DIR / (f"{date}-quick" if args.quick else date)).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     _write(out_dir / "machine.json", machine_info(quick=args.quick))
     started = time.monotonic()
@@ -313,11 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             run_mode(mode, chosen, out_dir, startup_timeout=args.startup_timeout)
     if HF_MODE in modes:  # last, so that it never shares the CPU with a server
         run_hf(out_dir, num_tokens=8 if args.quick else 64, repeats=1 if args.quick else 2)
-    table = render_table(out_dir)
-    print(f"\n{table}\n\nresults in {out_dir} ({time.monotonic() - started:.0f} s)")
-    if args.update_readme if args.update_readme is not None else not args.quick:
-        update_readme(README, table)
-        print(f"updated {README}")
+    print(f"\n{render_table(out_dir)}\n\nresults in {out_dir} ({time.monotonic() - started:.0f} s)")
+    if args.publish:
+        published = publish(out_dir)
+        update_readme(README, render_table(published))
+        print(f"published in {published}; updated {README}")
     return 0
 
 

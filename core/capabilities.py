@@ -87,7 +87,8 @@ class DeployConfig:
     """How the user asked a model to be served (CLI flags / LLM arguments)."""
 
     model: str | None = None
-    plugin: str = "text"
+    #: the deployment kind (or plugin) that loads the model; None: the kind that declares ``is_default``
+    plugin: str | None = None
     max_batch_size: int = 4
     enable_in_flight_batching: bool = False
     max_queued_requests: int = 64
@@ -126,3 +127,52 @@ class DeploymentKind:
     variants: tuple[MatrixVariant, ...] = ()
     description: str = ""
     settings: frozenset[str] | None = None
+    #: the kind ``ifb serve`` and ``LLM`` load when no plugin is named (one installed kind says so)
+    is_default: bool = False
+
+
+@attrs.frozen
+class DeploySetting:
+    """A deployment setting a plugin adds (``ifb_deploy_settings``): one ``DeployConfig.options`` key,
+    given as the ``ifb serve`` flag ``--name-with-dashes`` or the ``LLM(name=...)`` keyword.
+
+    ``type`` is a click parameter type (``click.Choice``, ``click.FloatRange``, ``click.Path``, ...) or
+    ``int``, ``float``, ``str``; both the flag and the keyword are converted (and checked) by it, then by
+    ``to_option`` when given (say, a ``Path`` to the ``str`` the loader reads). A value equal to
+    ``default`` (False for an ``is_flag`` setting) means "not set": it is not put into
+    ``DeployConfig.options``.
+    """
+
+    name: str
+    help: str
+    type: Any = str
+    default: Any = None
+    metavar: str | None = None
+    is_flag: bool = False
+    to_option: Callable[[Any], Any] | None = None
+    #: the plugin that registered it (set by the plugin host)
+    plugin: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def parse(self, value: Any) -> Any:
+        """``value`` (an ``LLM`` keyword's) as the flag would give it; ValueError naming the flag if bad."""
+        import click
+
+        if self.is_flag:
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.flag} ({self.name}) is a flag: True or False, not {value!r}")
+        elif value is not None:
+            try:
+                value = click.types.convert_type(self.type).convert(value, None, None)
+            except click.BadParameter as exc:
+                raise ValueError(f"{self.flag} ({self.name}): {exc.message}") from None
+        return self.option_value(value)
+
+    def option_value(self, value: Any) -> Any:
+        """The ``DeployConfig.options`` value for a converted ``value`` (None: not set)."""
+        if value is None or value == self.default or (self.is_flag and value is False):
+            return None
+        return self.to_option(value) if self.to_option is not None else value

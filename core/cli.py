@@ -40,9 +40,10 @@ def matrix(fmt: str, builtin_only: bool) -> None:
     """Print the support matrix of everything installed."""
     from ifb import matrix as m
 
-    deployments, requests = m.build(default_host(), builtin_only=builtin_only)
+    host = default_host()
+    deployments, requests = m.build(host, builtin_only=builtin_only)
     render = m.render_json if fmt == "json" else m.render_markdown
-    click.echo(render(deployments, requests), nl=False)
+    click.echo(render(deployments, requests, m.setting_rows(host, builtin_only=builtin_only)), nl=False)
 
 
 def _setup_logging(level: str) -> None:

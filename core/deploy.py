@@ -85,7 +85,8 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
         if config.enable_context_reuse:
             prefix = host.hook.ifb_prefix_cache(config=config, blocks=blocks, runtime=runtime, counters=counters)
             if prefix is None:
-                raise UnsupportedDeployment("--enable-context-reuse needs the context_cache plugin, which is not installed")
+                raise UnsupportedDeployment("--enable-context-reuse needs a plugin that provides prefix reuse "
+                                            "(the ifb_prefix_cache hook); none is installed")
         engine = RequestEngine(runtime, config, options, prefix=prefix, blocks=blocks, counters=counters,
                                static_batching=static_batching)
         warmup = config.options.get("warmup_prompt")

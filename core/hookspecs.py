@@ -25,7 +25,19 @@ def ifb_deployment_kinds() -> list:
 
 @hookspec
 def ifb_request_options() -> list:
-    """Return extra ``RequestOption`` rows this plugin adds to the registry."""
+    """Return extra ``RequestOption`` rows this plugin adds to the registry (a row of ``ifb matrix``'s
+    request-level tables each; the built-in plugins add theirs here too)."""
+
+
+@hookspec
+def ifb_deploy_settings() -> list:
+    """Return the ``DeploySetting`` objects this plugin's deployments read.
+
+    Each becomes an ``ifb serve`` flag (``--name-with-dashes``, shown in ``--help`` and in ``ifb
+    matrix``) and an ``LLM(name=...)`` keyword, both converted by the setting's type and passed to
+    ``DeployConfig.options[name]``. A name the core or another plugin has taken is dropped with a
+    warning. List the names in your ``DeploymentKind.settings`` too, so that other kinds refuse them.
+    """
 
 
 @hookspec(firstresult=True)
@@ -44,4 +56,4 @@ def ifb_prefix_cache(config: Any, blocks: Any, runtime: Any, counters: Any) -> A
 
 @hookspec
 def ifb_http_routes(app_state: Any) -> list:
-    """Return extra Starlette routes for the server (e.g. ``/v1/audio/speech``)."""
+    """Return extra Starlette routes for the server (an audio route, say)."""

@@ -8,6 +8,7 @@ from ifb.capabilities import DeployConfig
 from ifb.deploy import Deployment, load_deployment
 from ifb.outputs import FinalOutput, RequestHandle, RequestOutput, collect
 from ifb.params import RequestSpec, SamplingParams
+from ifb.plugins import default_host
 
 
 class LLM:
@@ -16,21 +17,26 @@ class LLM:
     With ``enable_in_flight_batching`` calls from several threads overlap up to
     ``max_batch_size`` + ``max_queued_requests``; further callers block until
     there is room. Without it (the default) requests run one at a time.
+
+    ``plugin`` names the deployment kind (None: the installed default). ``plugin_options`` are the
+    plugins' settings (``ifb_deploy_settings``; ``ifb serve --help`` lists them as flags), checked as
+    the flags are: ``LLM(some_setting=value)`` is ``ifb serve --some-setting value``.
     """
 
-    def __init__(self, model: str | None = None, *, plugin: str = "text", max_batch_size: int = 4,
+    def __init__(self, model: str | None = None, *, plugin: str | None = None, max_batch_size: int = 4,
                  enable_in_flight_batching: bool = False, max_queued_requests: int = 64,
                  queue_timeout: float = 600.0, enable_context_reuse: bool = False,
                  max_kv_cache_capacity: int | None = None, max_num_batched_tokens: int = 256,
                  **plugin_options: Any):
+        host = default_host()
         self.config = DeployConfig(
-            model=model, plugin=plugin, max_batch_size=max_batch_size,
+            model=model, plugin=plugin or host.default_kind().name, max_batch_size=max_batch_size,
             enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
             queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
             max_kv_cache_capacity=max_kv_cache_capacity, max_num_batched_tokens=max_num_batched_tokens,
-            options=plugin_options,
+            options=host.setting_options(plugin_options),
         )
-        self.deployment: Deployment = load_deployment(self.config)
+        self.deployment: Deployment = load_deployment(self.config, host)
 
     @property
     def engine(self):

@@ -89,11 +89,27 @@ def build(host: PluginHost, builtin_only: bool = False) -> tuple[list[Row], list
     return deployments, requests
 
 
+@attrs.frozen
+class SettingRow:
+    """A plugin's deployment setting: its ``ifb serve`` flag and ``LLM`` keyword."""
+
+    plugin: str
+    flag: str
+    keyword: str
+    help: str
+
+
+def setting_rows(host: PluginHost, builtin_only: bool = False) -> list[SettingRow]:
+    builtin = {i.name for i in host.infos if i.is_builtin}
+    return [SettingRow(s.plugin, s.flag, s.name, s.help) for s in host.deploy_settings()
+            if not builtin_only or s.plugin in builtin]
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(deployments: list[Row], requests: list[Row]) -> str:
+def render_markdown(deployments: list[Row], requests: list[Row], settings: list[SettingRow] = ()) -> str:
     out = [
         "# Support matrix",
         "",
@@ -112,11 +128,16 @@ def render_markdown(deployments: list[Row], requests: list[Row]) -> str:
         out += [f"### {deployment}", "", "| Request option | Status | Notes |", "|---|---|---|"]
         out += [f"| {_cell(r.option)} | {r.status} | {_cell(r.note)} |" for r in requests if r.deployment == deployment]
         out.append("")
+    if settings:
+        out += ["## Deployment settings", "", "What the plugins add to `ifb serve` (a flag) and `LLM(...)` (a keyword).",
+                "", "| Flag | `LLM` keyword | Plugin | Meaning |", "|---|---|---|---|"]
+        out += [f"| `{r.flag}` | `{r.keyword}` | {r.plugin} | {_cell(r.help)} |" for r in settings]
     return "\n".join(out).rstrip() + "\n"
 
 
-def render_json(deployments: list[Row], requests: list[Row]) -> str:
+def render_json(deployments: list[Row], requests: list[Row], settings: list[SettingRow] = ()) -> str:
     return json.dumps({
         "deployments": [attrs.asdict(r, filter=lambda a, v: a.name != "option") for r in deployments],
         "requests": [attrs.asdict(r) for r in requests],
+        "settings": [attrs.asdict(r) for r in settings],
     }, indent=2)

@@ -1,6 +1,7 @@
 """The registry of request options: the rows of the request-level matrix.
 
-Plugins add options through the ``ifb_request_options`` hook. A deployment
+These are the options of the request API itself; plugins add theirs (media,
+audio output, ...) through the ``ifb_request_options`` hook. A deployment
 declares its support per option name; undeclared options get the default.
 """
 
@@ -21,18 +22,6 @@ def _is_guided(spec: RequestSpec) -> bool:
     return fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text")
 
 
-def has_media(spec: RequestSpec) -> bool:
-    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
-    if spec.extras.get("media"):
-        return True
-    for message in spec.messages or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, (list, tuple)) and any(
-                not isinstance(part, dict) or part.get("type") != "text" for part in content):
-            return True
-    return False
-
-
 BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption(
         name="plain_text", title="Plain text generation, streaming, logprobs, stop strings",
@@ -49,22 +38,6 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
         default=OptionSupport(
             Support.REJECTED, reason="This deployment has no guided decoder.",
             alternative="Use a deployment whose plugin declares guided decoding.")),
-    RequestOption(
-        name="media_under_pruner", title="Media under an active visual-token pruner",
-        uses=has_media, order=30,
-        default=OptionSupport(
-            Support.FOUNDER_ONLY, reason="Pruning runs only in the founding prefill; a seated prefill would skip it.")),
-    RequestOption(
-        name="generate_audio", title="generateAudio (speech output)", uses=_extra("generate_audio"), order=40,
-        default=OptionSupport(
-            Support.REJECTED, reason="Speech output is assembled only on the blocking path.", alternative=BLOCKING)),
-    RequestOption(
-        name="save_system_prompt_kv_cache", title="saveSystemPromptKVCache (legacy capture)",
-        uses=_extra("save_system_prompt_kv_cache"), order=50,
-        default=OptionSupport(
-            Support.REJECTED, reason="The capture runs only in the founding prefill path.",
-            alternative="Warm the prompt up before serving (--warmup-prompt) or use the context cache "
-                        "(--enable-context-reuse); or use the blocking path.")),
     RequestOption(
         name="past_trajectory", title="pastTrajectory (trajectory execution)", uses=_extra("past_trajectory"),
         order=60, default=OptionSupport(

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
 log = logging.getLogger("ifb.server")
 
@@ -41,9 +42,10 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
 
 
-@click.command()
+@click.command(cls=PluginFlagsCommand)
 @click.argument("model", required=False)
-@click.option("--plugin", default="text", show_default=True, help="Plugin (deployment kind) that loads the model.")
+@click.option("--plugin", default=None,
+              help="Plugin (deployment kind) that loads the model.  [default: the installed default kind]")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Requests that decode together (seats in the running batch).")
 @click.option("--enable-in-flight-batching", is_flag=True,
@@ -57,9 +59,6 @@ def _setup_logging(level: str) -> None:
 @click.option("--enable-context-reuse", is_flag=True, help="Reuse published KV prefixes across requests.")
 @click.option("--max-kv-cache-capacity", type=click.IntRange(min=1), default=None,
               help="Tokens of KV cache to allocate.")
-@click.option("--hybrid-checkpoint-interval", type=click.IntRange(min=1), default=None, metavar="TOKENS",
-              help="(mamba) With --enable-context-reuse, keep the recurrent state every TOKENS tokens (a multiple "
-                   "of the KV block size) besides at each prompt's end.  [default: 256]")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
               help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
 @click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
@@ -70,17 +69,6 @@ def _setup_logging(level: str) -> None:
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.option("--warmup-prompt", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A system prompt file to prefill and publish before serving (needs --enable-context-reuse).")
-@click.option("--visual-token-pruner", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              metavar="RATIO", help="(vlm) Keep this fraction of the visual tokens; media requests become founder-only.")
-@click.option("--allowed-local-media-path", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="(vlm) A directory whose files image/audio URLs may name; local files are refused otherwise.")
-@click.option("--quantization", type=click.Choice(["auto", "int8", "weights-only", "none"]), default="auto",
-              show_default=True,
-              help="(text) auto: a GGUF's blocks times activations quantized to ~15 bits; int8: to 8 bits "
-                   "(faster, coarser); weights-only: times float32 activations; none: dequantize to fp32.")
-@click.option("--kv-cache-dtype", type=click.Choice(["auto", "float32", "float16"]), default="auto",
-              show_default=True,
-              help="(text) KV cache precision; auto: float16 with integer activations (auto, int8), else float32.")
 @click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=16 * 1024 * 1024, show_default=True,
               help="Largest request body; a larger one is refused with 413 before it is read.")
 @click.option("--allowed-hosts", "allowed_hosts", multiple=True, metavar="NAME",
@@ -95,13 +83,13 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
-          warmup_prompt: Path | None = None, visual_token_pruner: float | None = None,
-          allowed_local_media_path: Path | None = None, quantization: str = "auto",
-          kv_cache_dtype: str = "auto", max_request_body_bytes: int = 16 * 1024 * 1024,
+          warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False, hybrid_checkpoint_interval: int | None = None) -> None:
+          static_batching: bool = False, **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
-    over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+    The flags marked (PLUGIN) come from the installed plugins (see `ifb matrix`)."""
     import uvicorn
 
     from ifb.deploy import load_deployment
@@ -121,16 +109,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         if not enable_context_reuse:
             raise click.UsageError("--warmup-prompt publishes a prefix in the context cache: add --enable-context-reuse")
         options["warmup_prompt"] = warmup_prompt.read_text()
-    if visual_token_pruner is not None:
-        options["visual_token_pruner"] = visual_token_pruner
-    if allowed_local_media_path is not None:
-        options["allowed_local_media_path"] = str(allowed_local_media_path.resolve())
-    if quantization != "auto":
-        options["quantization"] = quantization
-    if kv_cache_dtype != "auto":
-        options["kv_cache_dtype"] = kv_cache_dtype
-    if hybrid_checkpoint_interval is not None:
-        options["hybrid_checkpoint_interval"] = hybrid_checkpoint_interval
+    options.update(setting_options(plugin_flags))
+    plugin = plugin or default_plugin()
     fields = dict(
         model=model, plugin=plugin, max_batch_size=max_batch_size,
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ifb.capabilities import EndpointSupport, OptionSupport, Support
+from ifb.capabilities import EndpointSupport, OptionSupport, RequestOption, Support
 from ifb.options import BLOCKING
 
 #: the runtime has no fixed batch dimension; this bounds the seat count it accepts
@@ -11,6 +11,15 @@ MAX_BUILT_BATCH = 256
 #: the ``DeployConfig.options`` every deployment on ``TextRuntime`` reads (its loader: the name and
 #: adapters; the runtime: the context limit); a plugin's loader adds its own
 TEXT_RUNTIME_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_model_len"})
+
+#: ``save_system_prompt_kv_cache``, the legacy capture of ``syscache`` (registered by the text plugin)
+SYSTEM_PROMPT_CAPTURE = RequestOption(
+    name="save_system_prompt_kv_cache", title="saveSystemPromptKVCache (legacy capture)",
+    uses=lambda spec: bool(spec.extras.get("save_system_prompt_kv_cache")), order=50,
+    default=OptionSupport(
+        Support.REJECTED, reason="The capture runs only in the founding prefill path.",
+        alternative="Warm the prompt up before serving (--warmup-prompt) or use the context cache "
+                    "(--enable-context-reuse); or use the blocking path."))
 
 TEXT_ENDPOINTS = {"completions": EndpointSupport.SERVED, "chat.completions": EndpointSupport.SERVED}
 

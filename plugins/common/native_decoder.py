@@ -3,7 +3,7 @@
 Once every projection runs on GGUF blocks (``quant.BlockLinear``), what is left
 of a decode step in Python is dispatch: a few dozen small tensor operations per
 layer, each costing more than its arithmetic. ``NativeDecoder`` hands the layer
-loop to ``qkernels.c`` (``ifb_decoder_forward``): the same norms, fused Q/K/V
+loop to ``csrc/qkernels.c`` (``ifb_decoder_forward``): the same norms, fused Q/K/V
 and gate/up matmuls, RoPE, KV-cache writes, paged attention and residual adds,
 with the same per-row arithmetic as the per-module path, so a row's result
 still does not depend on its batch mates or on how its prompt was chunked.
@@ -11,41 +11,109 @@ still does not depend on its batch mates or on how its prompt was chunked.
 ``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
 fits: every layer fused on blocks, float32 norms, and (checked per step)
 contiguous float32 or float16 KV caches.
+
+The parameter structs are defined once, in ``csrc/decoder_params.h``: the C
+structs are generated from its field lists, the ctypes mirror here is built
+from the same lists (``STRUCTS``), and each ``NativeDecoder`` first checks the
+mirror against the compiled library's own report of every size and offset.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from ifb_plugins.common.attention import AttnMetadata
-from ifb_plugins.common.qkernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata
+from ifb_plugins.common.qkernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata, sources
 from ifb_plugins.common.quant import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("kind", _long), ("passes", _long), ("blocks", _ptr), ("bias", _ptr), ("n", _long), ("k", _long)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight)]
+#: the C header that defines the parameter structs (the one definition of their layout)
+PARAMS_HEADER = "decoder_params.h"
+#: a list macro, ``#define IFB_..._FIELDS(F)`` or ``IFB_DECODER_STRUCTS(S)``, up to the blank line after it
+_LIST_RE = re.compile(r"#define (IFB_\w+)\([FS]\)(.*?)(?:\n\s*\n|\Z)", re.S)
+_ENTRY_RE = re.compile(r"\b[FS]\(([^,()]+),\s*(\w+)\)")
+_SCALARS = {"long": ctypes.c_long, "float": ctypes.c_float, "int": ctypes.c_int}
 
 
-class _Decoder(ctypes.Structure):
-    _fields_ = [("num_layers", _long), ("hidden", _long), ("intermediate", _long), ("hq", _long),
-                ("hkv", _long), ("d", _long), ("eps", _float), ("layers", ctypes.POINTER(_Layer))]
+def parse_layout(header: str) -> dict[str, list[tuple[str, str]]]:
+    """The structs of ``decoder_params.h`` in its report order: {struct: [(C type, field), ...]}."""
+    lists = {name: _ENTRY_RE.findall(body) for name, body in _LIST_RE.findall(header)}
+    return {struct.strip(): [(t.strip(), f) for t, f in lists[fields]]
+            for struct, fields in lists["IFB_DECODER_STRUCTS"]}
 
 
-class _Step(ctypes.Structure):
-    _fields_ = [("t", _long), ("rope", _ptr), ("slot_mapping", _ptr), ("block_tables", _ptr), ("width", _long),
-                ("query_start_loc", _ptr), ("seq_lens", _ptr), ("num_seqs", _long), ("block_size", _long),
-                ("k_caches", ctypes.POINTER(_ptr)), ("v_caches", ctypes.POINTER(_ptr)), ("kv_half", _long)]
+def _ctype(c_type: str, structs: dict[str, type]) -> object:
+    base = c_type.replace("const ", "").strip()
+    if base in structs:
+        return structs[base]
+    if base in _SCALARS:
+        return _SCALARS[base]
+    if base.endswith("*"):
+        inner = base[:-1].strip()
+        if inner in structs:
+            return ctypes.POINTER(structs[inner])
+        return ctypes.POINTER(_ptr) if inner.endswith("*") else _ptr
+    raise ValueError(f"{PARAMS_HEADER}: no ctypes type for {c_type!r}")
+
+
+def build_structs(layout: dict[str, list[tuple[str, str]]]) -> dict[str, type[ctypes.Structure]]:
+    """The ctypes mirror of ``layout`` (``parse_layout``), one ``Structure`` per C struct."""
+    structs: dict[str, type[ctypes.Structure]] = {}
+    for name, fields in layout.items():
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t, structs)) for t, f in fields]})
+    return structs
+
+
+def reported_layout(lib: ctypes.CDLL) -> dict[str, tuple[int, list[tuple[str, int]]]]:
+    """What the compiled library lays out: {struct: (size, [(field, offset), ...])}."""
+    lib.ifb_decoder_layout_names.restype = ctypes.c_char_p
+    lib.ifb_decoder_layout.argtypes = [ctypes.POINTER(_long), _long]
+    lib.ifb_decoder_layout.restype = _long
+    names = [part.split(":") for part in lib.ifb_decoder_layout_names().decode().split(";") if part]
+    count = lib.ifb_decoder_layout(None, 0)
+    numbers = (_long * count)()
+    lib.ifb_decoder_layout(numbers, count)
+    out, at = {}, 0
+    for struct, fields in names:
+        fields = [f for f in fields.split(",") if f]
+        out[struct] = (numbers[at], list(zip(fields, numbers[at + 1:at + 1 + len(fields)])))
+        at += 1 + len(fields)
+    return out
+
+
+def layout_mismatches(structs: dict[str, type[ctypes.Structure]],
+                      reported: dict[str, tuple[int, list[tuple[str, int]]]]) -> list[str]:
+    """Where the ctypes mirror and the compiled library disagree (empty: they agree)."""
+    problems = [f"struct {name} is {'only in the library' if name in reported else 'missing from the library'}"
+                for name in sorted(set(structs) ^ set(reported))]
+    for name in [n for n in structs if n in reported]:
+        mirror = [(f, getattr(structs[name], f).offset) for f, _ in structs[name]._fields_]
+        size, fields = reported[name]
+        for field in sorted({f for f, _ in mirror} ^ {f for f, _ in fields}):
+            side = "the library" if field in dict(fields) else "the ctypes mirror"
+            problems.append(f"{name}.{field} is only in {side}")
+        if mirror != fields:
+            problems.append(f"{name}: fields at {mirror} in the ctypes mirror, {fields} in the library")
+        if ctypes.sizeof(structs[name]) != size:
+            problems.append(f"{name}: {ctypes.sizeof(structs[name])} bytes in the ctypes mirror, {size} in the library")
+    return problems
+
+
+STRUCTS = build_structs(parse_layout(sources()[PARAMS_HEADER].decode()))
+_Weight, _Layer, _Decoder, _Step = (STRUCTS[n] for n in ("weight_t", "layer_t", "decoder_t", "step_t"))
+
+
+def check_layout(kernels: Kernels) -> None:
+    """Raise unless the compiled library lays the parameter structs out as ``STRUCTS`` does."""
+    problems = layout_mismatches(STRUCTS, reported_layout(kernels.lib))
+    if problems:
+        raise RuntimeError(f"the native decoder's parameters disagree with {kernels.path.name}: " + "; ".join(problems))
 
 
 def _ptr_of(t: torch.Tensor | None) -> int | None:
@@ -76,6 +144,7 @@ class NativeDecoder:
     """``TextModel.decoder_impl``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack."""
 
     def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+        check_layout(kernels)
         c = model.config
         self._forward = kernels.lib.ifb_decoder_forward
         self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]

@@ -1,4 +1,4 @@
-"""Native kernels for GGUF checkpoints on CPUs (``qkernels.c``), compiled on first use.
+"""Native kernels for GGUF checkpoints on CPUs (``csrc/qkernels.c``), compiled on first use.
 
 - ``block_matmul``: matmuls that read Q4_0 / Q4_1 / Q8_0 blocks (regrouped
   once by ``interleave`` so that 16 output columns sit side by side, same
@@ -25,10 +25,12 @@ On CPUs with AMX (and a kernel that grants it), whole tiles of 16 input rows (an
 AMX tile products, bit-identical to the vector code; ``IFB_KERNEL_AMX=0`` turns
 that off.
 
-The C file is built once per machine with the system C compiler (``$CC``, else
-``cc``) and ``-O3 -march=native`` (``$IFB_KERNEL_MARCH`` replaces ``native``,
-e.g. ``x86-64-v3`` for the AVX2 code on an AVX-512 CPU) into the user cache
-directory, keyed by the source, the compiler, the flags and the CPU's feature flags. Without a
+The C code (``csrc/``: ``qkernels.c``, which includes the headers beside it, one
+concern each, as one translation unit) is built once per machine with the system
+C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` (``$IFB_KERNEL_MARCH``
+replaces ``native``, e.g. ``x86-64-v3`` for the AVX2 code on an AVX-512 CPU) into
+the user cache directory, keyed by every source file, the compiler, the flags and
+the CPU's feature flags. Without a
 compiler, or on a CPU with neither AVX2 nor AVX-512, ``load()`` returns None
 with a warning and the caller falls back to another path.
 """
@@ -55,6 +57,8 @@ from ifb_plugins.common.attention import AttnMetadata
 
 log = logging.getLogger("ifb.text")
 
+#: the package folder of the C sources, and the translation unit compiled from it
+SOURCE_DIR = "csrc"
 SOURCE_NAME = "qkernels.c"
 #: bytes per 32-weight block of each kind (0: Q4_0, 1: Q4_1, 2: Q8_0)
 BLOCK_BYTES = (18, 20, 34)
@@ -91,13 +95,32 @@ def _compiler() -> str | None:
     return shutil.which(name)
 
 
-def _build(source: bytes, compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def sources() -> dict[str, bytes]:
+    """Every file of the C sources by name (``qkernels.c`` and the headers it includes)."""
+    folder = resources.files("ifb_plugins.common").joinpath(SOURCE_DIR)
+    found = {entry.name: entry.read_bytes() for entry in folder.iterdir()
+             if entry.is_file() and entry.name.endswith((".c", ".h"))}
+    if SOURCE_NAME not in found:
+        raise FileNotFoundError(f"{SOURCE_DIR}/{SOURCE_NAME}")
+    return dict(sorted(found.items()))
+
+
+def build_key(files: dict[str, bytes], compiler_version: str, flags: tuple[str, ...]) -> str:
+    """The cache key of a build: every source file (name and bytes), the compiler, the flags, the CPU."""
+    parts = [b"%s\0%s" % (name.encode(), data) for name, data in sorted(files.items())]
+    parts += [compiler_version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _build(files: dict[str, bytes], compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
         src, lib = Path(tmp) / SOURCE_NAME, Path(tmp) / target.name
-        src.write_bytes(source)
         cmd = [compiler, *flags, "-o", str(lib), str(src), "-lpthread", "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        # -O3 over the whole unit takes about a minute of CPU: a busy machine needs more wall time
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(lib, target)  # atomic: a concurrent loader sees the old file or the whole new one
@@ -236,9 +259,9 @@ def load(march: str | None = None) -> Kernels | None:
 @functools.cache
 def _load(march: str) -> Kernels | None:
     try:
-        source = resources.files("ifb_plugins.common").joinpath(SOURCE_NAME).read_bytes()
+        files = sources()
     except OSError as exc:
-        log.warning("native GGUF kernels unavailable: %s is missing (%s)", SOURCE_NAME, exc)
+        log.warning("native GGUF kernels unavailable: %s/%s is missing (%s)", SOURCE_DIR, SOURCE_NAME, exc)
         return None
     compiler = _compiler()
     if compiler is None:
@@ -250,13 +273,11 @@ def _load(march: str) -> Kernels | None:
         log.warning("native GGUF kernels unavailable: %s --version failed (%s)", compiler, exc)
         return None
     flags = (*CFLAGS, f"-march={march}")
-    parts = [source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"qkernels-{key}.so"
+    target = cache_dir() / f"qkernels-{build_key(files, version, flags)}.so"
     try:
         if not target.exists():
             log.info("compiling native GGUF kernels into %s", target)
-            _build(source, compiler, flags, target)
+            _build(files, compiler, flags, target)
         kernels = Kernels(ctypes.CDLL(str(target)), target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("native GGUF kernels unavailable: %s", exc)

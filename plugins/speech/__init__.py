@@ -24,6 +24,7 @@ from ifb.capabilities import (
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
 #: extras key: speak the prompt as given instead of answering it (what /v1/audio/speech asks)
 SPEAK_PROMPT = "speak_prompt"

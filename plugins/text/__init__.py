@@ -6,8 +6,9 @@ from __future__ import annotations
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
 from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.text.options import SETTINGS, ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
-TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {"quantization", "kv_cache_dtype"}
+TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
@@ -30,7 +31,7 @@ def ifb_deployment_kinds():
         name="text", plugin="text", title="Text LLM, single rank", declare=declare, load=load,
         description="Llama-family decoder (mixtures of experts included: Mixtral, Qwen2-MoE, Qwen3-MoE) "
                     "from a GGUF file or a Hugging Face safetensors directory",
-        settings=TEXT_SETTINGS)]
+        settings=TEXT_SETTINGS, is_default=True)]
 
 
 @hookimpl

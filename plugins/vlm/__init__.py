@@ -18,6 +18,7 @@ from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
 )
 from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 log = logging.getLogger("ifb.vlm")
 

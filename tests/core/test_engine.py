@@ -12,6 +12,7 @@ from ifb.capabilities import DeployConfig, OptionSupport, Support
 from ifb.engine import EngineFull, RequestEngine, RequestRejected
 from ifb.gate import UnsupportedDeployment
 from ifb.options import BUILTIN_OPTIONS
+from ifb.plugins import default_host
 from ifb.outputs import RequestFailed
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 
@@ -20,10 +21,10 @@ from tests.core.fakes import FakeRuntime, next_token, text_caps
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
-def engine(runtime=None, **config):
+def engine(runtime=None, options=BUILTIN_OPTIONS, **config):
     runtime = runtime or FakeRuntime()
     cfg = DeployConfig(enable_in_flight_batching=True, **{"max_batch_size": 4, "max_queued_requests": 4, **config})
-    return RequestEngine(runtime, cfg, list(BUILTIN_OPTIONS))
+    return RequestEngine(runtime, cfg, list(options))
 
 
 def expected(prompt_ids, n):
@@ -135,7 +136,8 @@ def test_async_consumers_get_each_step_in_one_loop_wake_up():
     ({"past_trajectory": [1]}, {}, "blocking path"),
 ])
 def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params, word):
-    eng = engine()
+    # the installed plugins' options too (the capture and speech output are the built-in plugins')
+    eng = engine(options=default_host().request_options())
     try:
         with pytest.raises(RequestRejected, match=word):
             eng.submit(RequestSpec(prompt="hi", params=SamplingParams(**params), extras=extras))

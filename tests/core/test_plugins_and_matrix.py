@@ -74,9 +74,15 @@ def site(tmp_path_factory):
     return target
 
 
+def _env(site) -> dict:
+    # the caller's PYTHONPATH stays: it may be what points `ifb` at this checkout
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get(
+        "PYTHONPATH")) if p)}
+
+
 def _ifb(site, *args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    return subprocess.run([sys.executable, "-m", "ifb", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ifb", *args], capture_output=True, text=True, env=_env(site),
+                          timeout=120)
 
 
 def test_third_party_plugin_appears_in_plugins_and_matrix(site):
@@ -93,3 +99,29 @@ def test_third_party_plugin_appears_in_plugins_and_matrix(site):
     assert echo_row["status"] == "blocking path" and "stepped execution" in echo_row["note"]
     options = {r["option"] for r in data["requests"]}
     assert "Shouting (third-party option)" in options
+    assert {"plugin": "echo", "flag": "--echo-volume", "keyword": "echo_volume",
+            "help": "How loud the echo answers (third-party setting)."} in data["settings"]
+    markdown = _ifb(site, "matrix").stdout
+    assert "| Shouting (third-party option) |" in markdown and "| `--echo-volume` | `echo_volume` | echo |" in markdown
+
+
+def test_third_party_plugin_adds_a_flag_to_serve_and_a_keyword_to_llm(site):
+    help_text = _ifb(site, "serve", "--help")
+    assert help_text.returncode == 0, help_text.stderr
+    assert "--echo-volume LEVEL" in help_text.stdout and "(echo) How loud the echo answers" in help_text.stdout
+    assert "--quantization" in help_text.stdout and "(text)" in help_text.stdout  # the built-ins' flags too
+    # the flag is checked by its type, then reaches the plugin's loader as DeployConfig.options["echo_volume"]
+    loud = _ifb(site, "serve", "--plugin", "echo", "--echo-volume", "7")
+    assert loud.returncode == 1 and "no weights to load (echo_volume 7)" in loud.stderr
+    too_loud = _ifb(site, "serve", "--plugin", "echo", "--echo-volume", "12")
+    assert too_loud.returncode == 2 and "12 is not in the range 0<=x<=11" in too_loud.stderr
+    # the same setting as an LLM keyword, converted and checked alike
+    code = ("from ifb import LLM\n"
+            "for volume in ('5', 12):\n"
+            "    try:\n"
+            "        LLM(plugin='echo', echo_volume=volume)\n"
+            "    except Exception as exc:\n"
+            "        print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(site), timeout=120)
+    assert "RuntimeError the echo deployment has no weights to load (echo_volume 5)" in out.stdout, out.stderr
+    assert "ValueError --echo-volume (echo_volume): 12 is not in the range 0<=x<=11" in out.stdout

@@ -16,7 +16,7 @@ from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, DeploymentKind, EndpointSupport
 from ifb.deploy import Deployment
 from ifb.engine import RequestEngine
-from ifb.options import BUILTIN_OPTIONS
+from ifb.plugins import default_host
 from ifb.server.app import build_app
 
 from tests.core.fakes import FakeRuntime, text_caps
@@ -30,7 +30,7 @@ def make_deployment(*, in_flight: bool = True, runtime: FakeRuntime | None = Non
                        **{"max_batch_size": 2, "max_queued_requests": 2, **config})
     kind = DeploymentKind(name="fake", plugin="fake", title="Fake runtime", declare=lambda c: runtime.caps,
                           load=lambda c: runtime)
-    options = list(BUILTIN_OPTIONS)
+    options = default_host().request_options()  # as load_deployment gives them: the plugins' too
     engine = RequestEngine(runtime, cfg, options) if in_flight else BlockingEngine(runtime, cfg, options)
     return Deployment(kind, cfg, runtime.caps, runtime, engine, None)
 

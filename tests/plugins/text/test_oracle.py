@@ -18,7 +18,7 @@ from ifb_plugins.text.default_model import resolve_model
 from ifb_plugins.common.loader import LoadedCheckpoint, build_model, load_checkpoint
 from ifb_plugins.common.model import TextModel
 from ifb_plugins.common.testing import greedy_generate_batch
-from tests.plugins.text.test_loaders import prefill_logits
+from tests.plugins.common.test_loaders import prefill_logits
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,212 @@
+/* Part of qkernels.c's single translation unit (included from it, in order; not compiled alone):
+ * integer activations: quantizing x to codes, and the integer-sum tiles. */
+
+/* ---- integer activations ----
+ * x is quantized per row and 32-block: scale s = max|x| / L, codes round(x * L / max|x|) (ties
+ * to even), with L = 127 (8-bit codes, llama.cpp's Q8_0 activations: one int8 pass) or L = 32512
+ * (about 15 bits, two int8 passes: a code q is q = 256 * q1 + q2 with q1 = round(q / 256) and
+ * q2 in -127..127, and the block sum is 256 * sum(code_w * q1) + sum(code_w * q2), one shift and
+ * one add to join the passes. The 1 in 256 codes whose q2 would be +-128 (which the AVX2 sign
+ * trick cannot negate) move one step towards q1's multiple of 256 first). A block's
+ * integer sum S = sum(code_w * code_x) is exact; then, block by block in one fixed order,
+ *   Q4_0: acc = fma((S - 8 * sum(code_x)) * s, d, acc)
+ *   Q4_1: acc = fma(S * s, d, acc); acc = fma(m, s * sum(code_x), acc)
+ *   Q8_0: acc = fma(S * s, d, acc)
+ * so a row's result is the same whatever the batch, the tiling, the threads or the ISA. */
+
+#define LEVELS_1 127.0f   /* one pass */
+#define LEVELS_2 32512.0f /* two passes: 256 * 127 */
+
+/* Split among the pool's threads when `work` (about the number of float32 values the step
+ * touches, in the units of MIN_WORK_PER_SHARE) is worth it, else run on the calling thread. */
+static void run_elementwise(void (*fn)(const void *arg, long i0, long i1), const void *arg, long count,
+                            long work);
+
+typedef struct {
+    const float *x;
+    long k, mq;
+    int passes;
+    int8_t *xq;
+    float *xs, *xsum;
+    int32_t *qsum;
+} quantize_t;
+
+/* Blocks [i0, i1) of x (block i: row i / (k / 32), its 32 values from column 32 * (i % (k / 32))). */
+static void quantize_blocks(const void *arg, long i0, long i1) {
+    const quantize_t *a = (const quantize_t *)arg;
+    const float *x = a->x;
+    long k = a->k, mq = a->mq;
+    int passes = a->passes;
+    int8_t *xq = a->xq;
+    float *xs = a->xs, *xsum = a->xsum;
+    int32_t *qsum = a->qsum;
+    float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
+    for (long i = i0; i < i1; i++) {
+        const float *p = x + i * QK;
+        int8_t *q = xq + i * QK, *q2 = q + mq * k; /* the second part (two passes) */
+        int32_t sum = 0;
+#if IFB_ISA == 512
+        __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+        float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float inv = top > 0.0f ? levels / top : 0.0f;
+        __m512i lim = _mm512_set1_epi32((int)levels), nlim = _mm512_set1_epi32(-(int)levels);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        qa = _mm512_max_epi32(_mm512_min_epi32(qa, lim), nlim);
+        qb = _mm512_max_epi32(_mm512_min_epi32(qb, lim), nlim);
+        if (passes == 2) { /* q / 256 is exact in float32: its rounding ties to even */
+            __m512 part = _mm512_set1_ps(1.0f / 256.0f);
+            __m512i ha = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qa), part));
+            __m512i hb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(qb), part));
+            __m512i l7 = _mm512_set1_epi32(127), nl7 = _mm512_set1_epi32(-127);
+            __m512i la = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qa, itimes256(ha)), l7), nl7);
+            __m512i lb = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qb, itimes256(hb)), l7), nl7);
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(itimes256(ha), la),
+                                                           _mm512_add_epi32(itimes256(hb), lb)));
+            _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(la));
+            _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(lb));
+            qa = ha;
+            qb = hb;
+        } else {
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+#else
+        float top = 0.0f;
+        for (int j = 0; j < QK; j++) top = fabsf(p[j]) > top ? fabsf(p[j]) : top;
+        float inv = top > 0.0f ? levels / top : 0.0f;
+        for (int j = 0; j < QK; j++) {
+            float v = nearbyintf(p[j] * inv); /* ties to even, as the vector conversion */
+            int c = v > levels ? (int)levels : v < -levels ? -(int)levels : (int)v;
+            if (passes == 2) {
+                int h = (int)nearbyintf((float)c * (1.0f / 256.0f)), l = c - 256 * h;
+                l = l > 127 ? 127 : l < -127 ? -127 : l;
+                sum += 256 * h + l;
+                q2[j] = (int8_t)l;
+                c = h;
+            } else {
+                sum += c;
+            }
+            q[j] = (int8_t)c;
+        }
+#endif
+        xs[i] = top / levels;
+        qsum[i] = sum;
+        xsum[i] = xs[i] * (float)sum;
+    }
+}
+
+/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
+static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
+                          int32_t *qsum, float *xsum) {
+    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum};
+    run_elementwise(quantize_blocks, &a, m * (k / QK), m * k);
+}
+
+/* acc after block b of row r: the block's integer sum s (Q8_0: with Q8_OFFSET's offset) through
+ * the float32 steps above, for weight scales d and minima m. */
+INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec d, vec m, vec acc) {
+    long rb = r * (job->k / QK) + b;
+    int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
+    acc = vfmadd(icvt_scaled(kind == Q4_1 ? s : isub(s, fix), job->xs[rb]), d, acc);
+    return kind == Q4_1 ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
+}
+
+#define Q8_AHEAD 4 /* blocks between a block's prefetch and its products */
+
+INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
+    long k = job->k, nb = k / QK;
+    vec acc[MAX_RQ][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        ivec s[MAX_RQ][4];
+        vec d[4], m[4];
+        const uint8_t *q[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; c++) {
+            q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
+            if (b + Q8_AHEAD < nb) /* the group's blocks are contiguous: ask for one further on */
+                prefetch_span(group_start(job, g0 + c, b + Q8_AHEAD, kind), group_bytes(kind));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) s[r][c] = izero();
+        }
+        /* Two passes: small tiles unpack each chunk once and sum its products with the codes'
+         * high parts (s) and low parts (s2), then s = 256 * s + s2; larger ones (which would run
+         * out of registers so) go over the block twice, s = 256 * s between the passes. */
+        const int fused = P == 2 && R * C <= 4;
+        ivec s2[MAX_RQ][4];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) s2[r][c] = izero();
+        for (int pass = 0; pass < (fused ? 1 : P); pass++) {
+            const int8_t *xb = job->xq + pass * job->mq * k + r0 * k + b * QK, *xb2 = xb + job->mq * k;
+            if (pass > 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) s[r][c] = itimes256(s[r][c]);
+            if (kind == Q8_0) {
+#pragma GCC unroll 8
+                for (int t = 0; t < QK / 4; t++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) {
+                        wvec w = load_chunk(q[c] + t * CHUNK);
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
+                            if (fused) s2[r][c] = dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
+                        }
+                    }
+            } else {
+#pragma GCC unroll 4
+                for (int t = 0; t < QK / 8; t++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) {
+                        wvec v = load_chunk(q[c] + t * CHUNK), lo = low_nibbles(v), hi = high_nibbles(v);
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            s[r][c] = dot4_u4(s[r][c], lo, xb + r * k + 4 * t);
+                            s[r][c] = dot4_u4(s[r][c], hi, xb + r * k + QK / 2 + 4 * t);
+                            if (fused) {
+                                s2[r][c] = dot4_u4(s2[r][c], lo, xb2 + r * k + 4 * t);
+                                s2[r][c] = dot4_u4(s2[r][c], hi, xb2 + r * k + QK / 2 + 4 * t);
+                            }
+                        }
+                    }
+            }
+        }
+        if (fused)
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int c = 0; c < C; c++) s[r][c] = iadd(itimes256(s[r][c]), s2[r][c]);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c++) acc[r][c] = block_step(job, r0 + r, b, kind, s[r][c], d[c], m[c], acc[r][c]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) store_output(job, r0 + r, g0 + c, acc[r][c]);
+}
+
+/* Every row tile of rows [h0, h1) over groups [g, g + C). */
+INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int kind, int P) {
+    for (long r0 = h0; r0 < h1; r0 += MAX_RQ) {
+        long rows = h1 - r0;
+        if (rows >= MAX_RQ) tile_q8(job, r0, MAX_RQ, g, C, kind, P);
+#if MAX_RQ > 3
+        else if (rows == 3) tile_q8(job, r0, 3, g, C, kind, P);
+#endif
+#if MAX_RQ > 2
+        else if (rows == 2) tile_q8(job, r0, 2, g, C, kind, P);
+#endif
+        else tile_q8(job, r0, 1, g, C, kind, P);
+    }
+}

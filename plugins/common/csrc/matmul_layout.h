@@ -1,0 +1,59 @@
+/* Part of qkernels.c's single translation unit (included from it, in order; not compiled alone):
+ * the matmul job and the interleaved weight layout. */
+
+/* ---- matmuls ----
+ * The weights are first interleaved (ifb_interleave): output columns go in groups of 16, and for
+ * each group and each 32-weight block the group's 16 scales (and minima) come first, then the code
+ * bytes in 64-byte chunks, chunk t holding bytes 4t..4t+3 of each of the 16 columns side by side
+ * (what one VNNI instruction multiplies with 4 activation bytes). A group's block is the 16
+ * columns' GGUF blocks with their bytes moved: the same size.
+ *   Q4_0: 16 d, then 4 chunks    (code byte i of a column: weights i and i + 16, as in GGUF)
+ *   Q4_1: 16 d, 16 m, then 4 chunks
+ *   Q8_0: 16 d, then 8 chunks    (codes stored + 128, as unsigned bytes)
+ * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in
+ * one fixed order (block by block; within a block weights 0, 16, 1, 17, ..., 15, 31), whatever
+ * R and C are: a row's result never depends on its batch mates. */
+
+#define GROUP 16
+#define CHUNK 64 /* code bytes 4i..4i+3 of the 16 columns: 4 bytes per column */
+
+typedef struct {
+    int kind;              /* Q4_0, Q4_1 or Q8_0 */
+    int passes;            /* integer activations in 1 or 2 int8 passes (the fields below); 0: float32 x */
+    const float *x;        /* [m, k] */
+    long m, k, n;
+    const uint8_t *blocks; /* interleaved, [ceil(n / 16) groups][k / 32 blocks] */
+    const float *bias;     /* [n] or NULL */
+    float *y;              /* [m, n] */
+    const int8_t *xq;      /* [passes][mq, k] int8 parts of x's codes, per 32-block */
+    int use_amx;           /* AMX tiles for whole tiles of rows (the same results) */
+    const float *xs;       /* [mq, k / 32] block scales */
+    const int32_t *qsum;   /* [mq, k / 32] sums of a block's codes */
+    const float *xsum;     /* [mq, k / 32] scale * code sum */
+    long mq;               /* rows of codes: m, or m padded with zero rows to whole AMX tiles */
+} matmul_t;
+
+/* Bytes of one group's block. */
+INLINE long group_bytes(int kind) { return GROUP * BLOCK_BYTES[kind]; }
+
+/* GGUF rows [n, k / 32 blocks] -> interleaved groups; columns past n (the last group's padding)
+ * get zero scales, so their weights are zero. */
+void ifb_interleave(const uint8_t *src, long n, long k, int kind, uint8_t *dst) {
+    long nb = k / QK, bb = BLOCK_BYTES[kind], groups = (n + GROUP - 1) / GROUP;
+    long head = kind == Q4_1 ? 4 : 2, codes = bb - head; /* bytes of scales, of codes, per block */
+    for (long g = 0; g < groups; g++)
+        for (long b = 0; b < nb; b++) {
+            uint8_t *out = dst + (g * nb + b) * GROUP * bb;
+            for (long c = 0; c < GROUP; c++) {
+                long j = g * GROUP + c;
+                const uint8_t *blk = j < n ? src + (j * nb + b) * bb : NULL;
+                for (long h = 0; h < head; h += 2) { /* d (then m): 16 halves each */
+                    out[(h / 2) * 2 * GROUP + 2 * c] = blk ? blk[h] : 0;
+                    out[(h / 2) * 2 * GROUP + 2 * c + 1] = blk ? blk[h + 1] : 0;
+                }
+                for (long i = 0; i < codes; i++) /* Q8_0: code + 128, an unsigned byte */
+                    out[head * GROUP + (i / 4) * CHUNK + c * 4 + i % 4] =
+                        (uint8_t)((blk ? blk[head + i] : 0) ^ (kind == Q8_0 ? 0x80 : 0));
+            }
+        }
+}
