@@ -21,7 +21,7 @@ from ifb_plugins.common.moe import ExpertModules, SparseMoE
 from ifb_plugins.common.testing import greedy_generate_batch
 from ifb_plugins.common.testing_moe import save_tiny_moe, write_moe_gguf
 from tests.helpers import submit_staggered
-from tests.plugins.text.test_loaders import prefill_logits
+from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]

@@ -19,7 +19,7 @@ from ifb_plugins.common.moe import SparseMoE, route
 from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch
 from ifb_plugins.common.testing_moe import save_tiny_moe
 from tests.helpers import submit_staggered
-from tests.plugins.text.test_loaders import prefill_logits
+from tests.plugins.common.test_loaders import prefill_logits
 
 #: name -> (arch, sizes): the three architectures with every layer sparse, and dense layers mixed in
 VARIANTS = {
