@@ -1,0 +1,21 @@
+"""What the mamba plugin adds to ``ifb serve`` and ``LLM(...)``.
+
+Light on purpose (no torch): ``ifb serve --help`` and ``ifb matrix`` import it.
+"""
+
+from __future__ import annotations
+
+from ifb import hookimpl
+from ifb.capabilities import DeploySetting
+
+SETTINGS = (
+    DeploySetting(
+        name="device", metavar="DEVICE", default="cpu",
+        help="The torch device the model and its state run on (cpu, cuda, cuda:1, ...); batch invariance "
+             "is declared on cpu only."),
+)
+
+
+@hookimpl
+def ifb_deploy_settings():
+    return list(SETTINGS)
