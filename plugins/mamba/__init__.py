@@ -14,7 +14,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, Optio
 from ifb.gate import UnsupportedDeployment
 from ifb.options import BLOCKING
 from ifb_plugins.common.caps import TEXT_ENDPOINTS
-from ifb_plugins.mamba.options import ifb_deploy_settings  # noqa: F401 - hook
+from ifb_plugins.mamba.options import ifb_deploy_settings  # noqa: F401 - its hook
 
 #: seats are allocated per deployment (--max-batch-size); this bounds what may be asked
 MAX_BUILT_BATCH = 256

@@ -1,4 +1,4 @@
-"""Plugin settings (``ifb_deploy_settings``): one declaration gives an ``ifb serve`` flag and an ``LLM``
+"""Plugin settings (``ifb_deploy_settings``) in the plugin host: one declaration gives an ``ifb serve`` flag and an ``LLM``
 keyword, converted and checked alike; a name already taken is dropped, loudly."""
 
 from __future__ import annotations
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from ifb import hookimpl
 from ifb.capabilities import DeploySetting
 from ifb.plugins import PluginHost
-from ifb.server.plugin_flags import PluginFlagsCommand, setting_options
 
 LEVEL = DeploySetting(name="level", type=click.IntRange(0, 9), default=5, help="How much.")
 PLACE = DeploySetting(name="place", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -66,23 +64,3 @@ def test_a_plugin_whose_hook_fails_is_reported_and_the_others_stay(caplog: pytes
         settings = PluginHost(extra_plugins=(Knobs(), Broken())).deploy_settings()
     assert {s.name for s in settings} >= {"level", "place", "loud"}
     assert "ifb_deploy_settings failed" in caplog.text and "needs libfoo" in caplog.text
-
-
-def test_the_flags_are_added_to_a_command_and_reach_its_callback(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
-    host = PluginHost(extra_plugins=(Knobs(),))
-    monkeypatch.setattr("ifb.server.plugin_flags.default_host", lambda: host)
-    seen = {}
-
-    @click.command(cls=PluginFlagsCommand)
-    @click.option("--port", type=int, default=1)
-    def command(port, **flags):
-        seen.update(setting_options(flags))
-
-    help_text = CliRunner().invoke(command, ["--help"]).output
-    assert "--level INTEGER RANGE" in help_text and "How much." in help_text and "--loud" in help_text
-    assert help_text.rstrip().endswith("Show this message and exit.")
-    result = CliRunner().invoke(command, ["--level", "3", "--place", str(tmp_path), "--loud"])
-    assert result.exit_code == 0, result.output
-    assert seen == {"level": 3, "place": str(tmp_path.resolve()), "loud": True}
-    assert CliRunner().invoke(command, ["--level", "10"]).exit_code == 2
