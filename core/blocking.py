@@ -1,4 +1,10 @@
-"""The blocking path: one request at a time through the runtime's ``handle_request``.
+"""The blocking path: one request at a time.
+
+A runtime that adds something of its own to the blocking path (LoRA, a
+captured system prompt, speech) serves a request through its
+``handle_request``; a stepped runtime without one is driven here directly,
+alone, through ``execute`` (``drive_alone``), with no round trip through the
+plugin.
 
 The default mode, and the only one for deployments the gate refuses. A
 bounded queue holds waiting requests; a request that waits longer than the
@@ -134,7 +140,7 @@ class BlockingEngine:
         self.counters.seat(int(waited * 1e6), mid_flight=False)
         reason = "error"
         try:
-            reason = self._forward(request, self.runtime.handle_request(request.spec, request))
+            reason = self._forward(request, self._outputs(request))
         except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
             log.exception("blocking request failed")
             request.handle.push(RequestOutput(
@@ -142,6 +148,12 @@ class BlockingEngine:
                 finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
         finally:
             self.counters.end(reason, was_resident=True, num_prompt_tokens=request.num_prompt_tokens)
+
+    def _outputs(self, request: Request) -> Iterator[RequestOutput]:
+        handle_request = getattr(self.runtime, "handle_request", None)
+        if handle_request is not None:
+            return handle_request(request.spec, request)
+        return drive_alone(self.runtime, request)
 
     def _forward(self, request: Request, outputs: Iterator[RequestOutput]) -> str:
         """Pass the runtime's outputs to the handle; return the finish reason."""

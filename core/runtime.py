@@ -86,7 +86,9 @@ class Runtime(Protocol):
     ``BlockingEngine`` calls ``prepare`` and then ``handle_request`` from its
     worker thread, one request at a time. A runtime without stepped execution
     (``caps.stepped_execution`` false) needs no ``execute``; its ``release`` is
-    never called. Both engines read the attributes below; ``num_kv_blocks`` and
+    never called. A stepped runtime that adds nothing to the blocking path may
+    leave ``handle_request`` out: the blocking engine then drives it alone
+    through ``execute`` itself. Both engines read the attributes below; ``num_kv_blocks`` and
     ``kv_block_size`` size the engine's block bookkeeping (the runtime owns the
     tensors) and bound the prompt a request may bring.
     """

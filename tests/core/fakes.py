@@ -95,7 +95,3 @@ class FakeRuntime:
 
     def release(self, request_id: str, seat: int) -> None:
         self.released.append((request_id, seat))
-
-    def handle_request(self, spec, request):
-        from ifb.blocking import drive_alone
-        return drive_alone(self, request)
