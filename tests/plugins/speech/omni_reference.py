@@ -1,0 +1,72 @@
+"""A tiny random Qwen3-Omni, built and saved by transformers' own classes (the reference for the speech tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "interleaved": True}
+SPEAKERS = {"ethan": 76, "chelsie": 77}
+
+
+def tiny_omni_config():
+    from transformers import Qwen3OmniMoeConfig
+
+    text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                rope_parameters=dict(ROPE))
+    talker_text = dict(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+                       num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
+                       rope_parameters=dict(ROPE))
+    return Qwen3OmniMoeConfig(
+        thinker_config=dict(
+            text_config=text,
+            audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                              d_model=16, output_dim=32, downsample_hidden_size=8, n_window=4, n_window_infer=8),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                               out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+            audio_token_id=290, image_token_id=291, video_token_id=292, audio_start_token_id=293),
+        talker_config=dict(
+            text_config=talker_text,
+            code_predictor_config=dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_code_groups=4),
+            num_code_groups=4, thinker_hidden_size=32, accept_hidden_layer=1, codec_eos_token_id=70,
+            codec_nothink_id=71, codec_think_bos_id=72, codec_think_eos_id=73, codec_pad_id=74, codec_bos_id=75,
+            speaker_id=dict(SPEAKERS), spatial_merge_size=2),
+        # a window of 4 frames, shorter than the test's code sequences, so the window is exercised
+        code2wav_config=dict(codebook_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                             intermediate_size=64, num_hidden_layers=2, num_quantizers=4, sliding_window=4,
+                             upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=16),
+        tts_pad_token_id=294, tts_bos_token_id=295, tts_eos_token_id=296, im_start_token_id=297,
+        im_end_token_id=298, system_token_id=1, user_token_id=2, assistant_token_id=3)
+
+
+def liven(module: torch.nn.Module, seed: int) -> None:
+    """Give the near-identity parameters (layer scales, SnakeBeta, ConvNeXt gamma) random values.
+
+    At their initial values (0.01, 0, 1e-6) the transformer and ConvNeXt blocks
+    would barely touch the waveform, and a comparison could not see a fault there.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("scale", "gamma", "alpha", "beta"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            elif leaf == "cluster_usage":
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif leaf == "embedding_sum" or (leaf == "weight" and p.dim() >= 2):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5 / p[0].numel() ** 0.5)
+
+
+def save_tiny_omni(path: Path, seed: int = 0):
+    """Build ``Qwen3OmniMoeForConditionalGeneration`` with random weights and ``save_pretrained`` it."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config()).eval()
+    liven(model.code2wav, seed)
+    model.save_pretrained(path)
+    return model

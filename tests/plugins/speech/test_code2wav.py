@@ -1,0 +1,56 @@
+"""Qwen3-Omni's Code2Wav, loaded from what transformers saves, against ``Qwen3OmniMoeCode2Wav`` itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ifb_plugins.speech.omni import load_code2wav, refuse_omni
+
+from .omni_reference import save_tiny_omni
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    path = tmp_path_factory.mktemp("omni")
+    return path, save_tiny_omni(path, seed=1)
+
+
+def _codes(num_frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 32, (1, 4, num_frames), generator=torch.Generator().manual_seed(seed))
+
+
+def test_code2wav_waveform_equals_the_reference(omni):
+    path, reference = omni
+    ours = load_code2wav(path)
+    codes = _codes(13, 0)  # longer than the 4-frame attention window
+    with torch.no_grad():
+        expected, got = reference.code2wav(codes), ours(codes)
+    assert got.shape == expected.shape
+    assert expected.abs().max() < 1.0  # not saturated: the comparison sees the whole network
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_chunked_decode_equals_the_reference(omni):
+    path, reference = omni
+    ours = load_code2wav(path)
+    codes = _codes(17, 1)
+    with torch.no_grad():
+        expected = reference.code2wav.chunked_decode(codes, chunk_size=6, left_context_size=3)
+    got = ours.chunked_decode(codes, 6, 3)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-4
+    # the streamed pieces are the same samples
+    pieces = list(ours.iter_decode(codes, 6, 3))
+    assert len(pieces) == 3 and torch.equal(torch.cat(pieces, dim=-1), got)
+
+
+def test_code2wav_rejects_a_wrong_number_of_codebooks(omni):
+    ours = load_code2wav(omni[0])
+    with pytest.raises(ValueError, match="expected 4 codebooks"):
+        ours(torch.zeros(1, 3, 5, dtype=torch.long))
+
+
+def test_the_omni_thinker_is_refused_with_the_reason(omni):
+    with pytest.raises(NotImplementedError, match="Thinker .* not implemented yet"):
+        refuse_omni(omni[0])
