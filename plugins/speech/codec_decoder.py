@@ -352,7 +352,9 @@ class CodecDecoder(nn.Module):
             CausalConv(widths[-1], 1, 7),
         ])
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+    def forward(self, codes: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
+        """``speed`` != 1 resamples the transformer's frame latents to ``round(T / speed)`` frames before
+        upsampling: the duration scales while each frame is still rendered at the codec's rate (pitch kept)."""
         c = self.cfg
         if codes.shape[1] != c.num_quantizers:
             raise ValueError(f"expected {c.num_quantizers} codebooks per frame, got {codes.shape[1]}")
@@ -362,6 +364,8 @@ class CodecDecoder(nn.Module):
         else:
             frames = self.pre_conv(self.quantizer(codes)).transpose(1, 2)  # [B, T, latent]
         x = self.pre_transformer(frames).transpose(1, 2)  # [B, latent, T]
+        if speed != 1.0:
+            x = F.interpolate(x, size=max(1, round(x.shape[-1] / speed)), mode="linear", align_corners=True)
         for trans_conv, convnext in self.upsample:
             x = convnext(trans_conv(x))  # [B, latent, T * prod(ratios)]
         for layer in self.decoder:
@@ -370,18 +374,30 @@ class CodecDecoder(nn.Module):
 
     @torch.inference_mode()
     def chunked_decode(self, codes: torch.Tensor, chunk_size: int = DECODE_CHUNK_FRAMES,
-                       left_context: int = DECODE_LEFT_CONTEXT) -> torch.Tensor:
+                       left_context: int = DECODE_LEFT_CONTEXT, speed: float = 1.0) -> torch.Tensor:
         """Decode ``[B, Q, T]`` in chunks as the references do: each chunk re-decodes up to ``left_context``
         earlier frames and drops their samples. Returns ``[B, 1, S]``."""
-        return torch.cat(list(self.iter_decode(codes, chunk_size, left_context)), dim=-1)
+        return self.decode_range(codes, 0, codes.shape[-1], chunk_size, left_context, speed)
 
-    def iter_decode(self, codes: torch.Tensor, chunk_size: int = DECODE_CHUNK_FRAMES,
-                    left_context: int = DECODE_LEFT_CONTEXT):
-        """``chunked_decode`` one chunk at a time (what a streamed response sends as it goes)."""
-        start, total = 0, codes.shape[-1]
-        while start < total:
-            end = min(start + chunk_size, total)
-            context = left_context if start - left_context > 0 else start
-            wav = self(codes[..., start - context:end])
-            yield wav[..., context * self.cfg.samples_per_frame:]
-            start = end
+    @torch.inference_mode()
+    def decode_range(self, codes: torch.Tensor, start: int, end: int, chunk_size: int = DECODE_CHUNK_FRAMES,
+                     left_context: int = DECODE_LEFT_CONTEXT, speed: float = 1.0) -> torch.Tensor:
+        """The samples of frames ``start:end`` as ``chunked_decode`` has them, without frames after ``end``.
+
+        Each piece is decoded from the start of its reference chunk (less its
+        left context) to ``end``. For a causal decoder (the TTS tokenizer's:
+        causal convolutions and attention, right-trimmed transposed
+        convolutions) samples never depend on later frames, so a stream of
+        ranges gives the same samples as the whole ``chunked_decode``; Omni's
+        transposed convolutions look one frame ahead, so there the last frame
+        of a range may differ.
+        """
+        pieces = []
+        while start < end:
+            chunk = start // chunk_size * chunk_size
+            stop = min(end, chunk + chunk_size)
+            context = left_context if chunk - left_context > 0 else chunk
+            wav = self(codes[..., chunk - context:stop], speed)
+            pieces.append(wav[..., round((start - chunk + context) / speed) * self.cfg.samples_per_frame:])
+            start = stop
+        return torch.cat(pieces, dim=-1)
