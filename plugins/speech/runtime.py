@@ -49,6 +49,8 @@ class TtsRuntime:
     """A Qwen3-TTS model on the blocking path: there is no stepped execution (no ``execute``)."""
 
     kv_block_size = KV_BLOCK_SIZE
+    #: frames decoded per streamed piece
+    stream_frames = STREAM_FRAMES
 
     def __init__(self, *, speaker: TtsSpeaker, caps: DeploymentCaps, config: DeployConfig, model_name: str):
         self.speaker = speaker
@@ -107,7 +109,7 @@ class TtsRuntime:
                                     finish_reason="cancelled")
                 return
             frames.append(frame)
-            if encoder is not None and len(frames) - sent >= STREAM_FRAMES:
+            if encoder is not None and len(frames) - sent >= self.stream_frames:
                 samples = self.speaker.decode_range(frames, sent, req.speed)
                 sent, num_samples = len(frames), num_samples + samples.shape[0]
                 yield chunk(encoder.feed(samples))

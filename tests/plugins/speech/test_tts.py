@@ -12,15 +12,13 @@ from ifb.params import InvalidRequest
 from ifb_plugins.speech import generate_audio
 from ifb_plugins.speech.tts import load_tts
 
-from . import tts_reference
 
 TEXT = "Hello there, how are you?"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-tts")
-    return path, tts_reference.build(path, seed=0)
+def reference(tts_reference_model):
+    return tts_reference_model
 
 
 @pytest.fixture(scope="module")
