@@ -19,6 +19,7 @@ import torch
 from ifb.params import InvalidRequest
 from ifb_plugins.common.tokenizer import TextTokenizer
 from ifb_plugins.speech.codec_decoder import CodecDecoder
+from ifb_plugins.speech.text_tokenizer import load_text_tokenizer
 from ifb_plugins.speech.tts_config import TtsConfig, read_tts_config
 from ifb_plugins.speech.tts_model import Sampling, TtsModel
 from ifb_plugins.speech.weights import adopt, load_prefixed
@@ -114,17 +115,11 @@ class TtsSpeaker:
         return self.codec.decode_range(codes, start, codes.shape[-1], speed=speed)[0, 0].float().numpy()
 
 
-def load_tokenizer(path: Path) -> TextTokenizer:
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(f"{path} has no tokenizer.json (the text tokenizer)")
-    return TextTokenizer.from_hf_dir(path)
-
-
 def load_tts(path: str | Path) -> TtsSpeaker:
     """Load a Qwen3-TTS CustomVoice or VoiceDesign checkpoint directory (float32, CPU)."""
     path = Path(path)
     config = read_tts_config(path)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_text_tokenizer(path)
     talker = {f"talker.{name}": t for name, t in load_prefixed(path, "talker.").items()}
     model = adopt(lambda: TtsModel(config), talker, "talker")
     codec = adopt(lambda: CodecDecoder(config.codec), load_prefixed(path / "speech_tokenizer", "decoder."),

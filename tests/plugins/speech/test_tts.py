@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,8 @@ from ifb.capabilities import DeployConfig
 from ifb.deploy import load_deployment
 from ifb.params import InvalidRequest
 from ifb_plugins.speech import generate_audio
-from ifb_plugins.speech.tts import load_tts
+from ifb_plugins.speech.text_tokenizer import load_text_tokenizer
+from ifb_plugins.speech.tts import assistant_text, instruct_text, load_tts
 
 
 TEXT = "Hello there, how are you?"
@@ -116,3 +119,16 @@ def test_the_deployment_speaks_end_to_end_as_the_reference(reference):
 def test_in_flight_batching_is_refused_at_start_up_with_the_reason(reference):
     with pytest.raises(Exception, match="stepped execution"):
         load_deployment(DeployConfig(model=str(reference[0]), plugin="tts", enable_in_flight_batching=True))
+
+
+@pytest.mark.parametrize("files", [
+    ("tokenizer.json", "tokenizer_config.json"),
+    ("vocab.json", "merges.txt", "tokenizer_config.json"),  # checkpoints that ship only the BPE files
+])
+def test_the_text_tokenizer_equals_the_reference_processor(reference, tmp_path, files):
+    path, wrapper = reference
+    for name in files:
+        shutil.copy(path / name, tmp_path / name)
+    ours = load_text_tokenizer(tmp_path)
+    for text in (assistant_text(TEXT), instruct_text("Speak slowly and warmly."), "你好，世界 12 dogs!\n\n  x"):
+        assert ours.encode(text) == wrapper.processor(text=text)["input_ids"][0]

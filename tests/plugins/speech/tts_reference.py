@@ -113,19 +113,25 @@ def _map_cache(cls) -> None:
 
 
 def text_tokenizer():
-    """A small byte-level BPE with Qwen's chat and TTS special tokens, as ``Qwen2TokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
+    """A small byte-level BPE as transformers' ``Qwen2Tokenizer`` builds one, with Qwen's chat and TTS tokens."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = ["assistant", "user", "Hello there, how are you today?", "Speak slowly and warmly.",
               "The quick brown fox jumps over the lazy dog.", "你好，世界"] * 4
-    tok.train_from_iterator(corpus, trainer)
-    return Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|tts_pad|>")
+    bpe.train_from_iterator(corpus, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
+                               pad_token="<|tts_pad|>")
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS], special_tokens=True)
+    return tokenizer, model["vocab"], merges
 
 
 def tiny_config(modeling_cfg, tokenizer, model_type: str = "custom_voice"):
@@ -170,7 +176,7 @@ def build(path: Path, seed: int = 0, model_type: str = "custom_voice"):
 
     from .omni_reference import liven
 
-    tokenizer = text_tokenizer()
+    tokenizer, vocab, merges = text_tokenizer()
     torch.manual_seed(seed)
     config = tiny_config(cfg_mod, tokenizer, model_type)
     model = ref.modeling.Qwen3TTSForConditionalGeneration(config).eval()
@@ -192,7 +198,17 @@ def build(path: Path, seed: int = 0, model_type: str = "custom_voice"):
     (path / "config.json").write_text(json.dumps(raw, indent=1))
     (path / "generation_config.json").write_text(json.dumps(GENERATE_DEFAULTS))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
-    tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)  # tokenizer.json and tokenizer_config.json
+    # and the BPE files the published checkpoints carry (some carry only these)
+    (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (path / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    # transformers 4 (which wrote the published checkpoints) lists the added tokens in tokenizer_config.json
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    tok_cfg["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in tokenizer.added_tokens_decoder.items()}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     st_dir = path / "speech_tokenizer"
     st_dir.mkdir(exist_ok=True)
     st_raw = st_config.to_dict()
