@@ -5,6 +5,13 @@ models so that its interleaved RoPE (pairs ``2i, 2i+1``) matches HF's
 rotate-half RoPE (pairs ``i, i + D/2``). Our model uses rotate-half, so those
 rows are put back. Qwen2/Qwen3 GGUFs are written unpermuted (llama.cpp runs
 them with NeoX-style RoPE) and are left as they are.
+
+Mixtures of experts: ``qwen3moe``, ``qwen2moe``, and ``llama`` with an
+``expert_count`` (Mixtral). llama.cpp stacks each layer's experts into
+``ffn_{gate,up,down}_exps`` (``[E, I, H]`` / ``[E, H, I]``), the router is
+``ffn_gate_inp`` and Qwen2-MoE's shared expert ``ffn_*_shexp`` with its gate
+``ffn_gate_inp_shexp`` (``[H]``). The float32 state dict holds them in
+``moe.SparseMoE``'s layout; ``read_gguf_tensors`` keeps them stacked and stored.
 """
 
 from __future__ import annotations
@@ -19,9 +26,15 @@ import numpy as np
 import torch
 
 from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.moe import fuse_expert_state
 
 #: ``general.architecture`` values this loader understands.
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+#: our arch name (config.json's ``model_type``) per GGUF architecture with experts
+_MOE_ARCH = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+#: whether llama.cpp renormalizes the top-k weights of each arch when the file does not say
+#: (``expert_weights_norm``): its qwen3moe and llama graphs do, its qwen2moe graph does not
+_NORM_TOPK_DEFAULT = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 
 # GGUF tensor name -> HF name; ``{}`` is the layer index.
 GGUF_GLOBAL_NAMES = {
@@ -41,6 +54,14 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -98,8 +119,9 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> TextM
     elif key("rope.scaling.type") not in (None, "none", "linear"):
         raise NotImplementedError(f"GGUF RoPE scaling {key('rope.scaling.type')!r} is not supported")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    moe = _moe_fields(arch, key, tensor_names, int(key("block_count")))
     return TextModelConfig(
-        arch=arch,
+        arch=_MOE_ARCH[arch] if moe else arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -118,7 +140,30 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> TextM
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
         sliding_window=key("attention.sliding_window"),
+        **moe,
     )
+
+
+def _moe_fields(arch: str, key: Any, tensor_names: set[str], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of the config (none for a dense file)."""
+    num_experts = int(key("expert_count") or 0)
+    if not num_experts:
+        return {}
+    if arch not in _MOE_ARCH:
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    gating = key("expert_gating_func")
+    if gating not in (None, gguf.ExpertGatingFuncType.SOFTMAX):
+        raise NotImplementedError(f"GGUF expert gating function {gating} is not supported (softmax only)")
+    # Layers without a router keep a dense MLP.
+    dense = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length") or key("feed_forward_length")),
+        "norm_topk_prob": bool(key("expert_weights_norm", _NORM_TOPK_DEFAULT[arch])),
+        "shared_expert_intermediate_size": int(key("expert_shared_feed_forward_length") or 0),
+        "mlp_only_layers": dense,
+    }
 
 
 def _tensors_and_config(
@@ -126,6 +171,7 @@ def _tensors_and_config(
 ) -> tuple[TextModelConfig, dict[str, GGUFTensor]]:
     names = {t.name for t in reader.tensors}
     config = _config_from_metadata(meta, names)
+    permuted = meta.get("general.architecture") == "llama"
     out: dict[str, GGUFTensor] = {}
     rope_freqs = None
     for t in reader.tensors:
@@ -136,10 +182,12 @@ def _tensors_and_config(
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
         data = t.data
-        if config.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if permuted and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             data = _unpermute_rows(data, heads)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
+        if name.endswith(".shared_expert_gate.weight"):
+            shape = (1, *shape)  # llama.cpp squeezes the [1, H] gate to [H]
         out[name] = GGUFTensor(gguf_name=t.name, ggml_type=t.tensor_type, shape=shape, data=data)
     if rope_freqs is not None:
         # llama3-style scaling is baked by the converter into per-frequency divisors.
@@ -172,4 +220,6 @@ def load_gguf(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tensor
     meta = read_metadata(reader)
     config, tensors = _tensors_and_config(reader, meta)
     state_dict = {name: dequantize(t) for name, t in tensors.items()}
+    if config.num_experts:
+        state_dict = fuse_expert_state(state_dict)
     return config, state_dict, meta

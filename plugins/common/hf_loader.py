@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.moe import fuse_expert_state
 from ifb_plugins.common.tokenizer import TextTokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -39,7 +40,12 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_dir(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tensor], TextTokenizer]:
-    """Read a HF directory: ``(config, float32 state dict, tokenizer)``."""
+    """Read a HF directory: ``(config, float32 state dict, tokenizer)``.
+
+    Mixture-of-experts weights come back in the layout ``moe.SparseMoE`` loads, whether the
+    checkpoint stores one tensor per expert (as ``save_pretrained`` writes them by default)
+    or transformers 5's fused ``experts.gate_up_proj`` / ``experts.down_proj``.
+    """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -48,4 +54,7 @@ def load_hf_dir(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tens
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return config, load_hf_state_dict(path), tokenizer
+    state = load_hf_state_dict(path)
+    if config.num_experts:
+        state = fuse_expert_state(state)
+    return config, state, tokenizer

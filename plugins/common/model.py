@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM; with ``moe.SparseMoE`` layers Mixtral,
+Qwen2-MoE, Qwen3-MoE) over a paged KV cache.
 
 One ``forward`` runs one engine step: a ragged batch of prefill chunks and
 decode tokens packed along a flat token axis ``T``. Parameter names follow the
@@ -21,6 +22,7 @@ from torch import nn
 from ifb_plugins.common import triton_kernels
 from ifb_plugins.common.attention import AttnMetadata, paged_attention, write_kv
 from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.moe import SparseMoE
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -194,12 +196,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then MLP (a ``SparseMoE`` where the config makes layer ``layer_idx`` sparse)."""
 
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: TextModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.is_sparse_layer(layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -216,7 +218,7 @@ class Decoder(nn.Module):
     def __init__(self, config: TextModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

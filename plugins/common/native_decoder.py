@@ -60,7 +60,8 @@ def _weight(linear: BlockLinear) -> _Weight:
 def _fits(model: nn.Module) -> bool:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # a mixture-of-experts layer (moe.SparseMoE) has neither: it runs layer by layer
+        modules = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
         if not all(isinstance(m, BlockLinear) for m in modules):
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]

@@ -16,6 +16,12 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
 - ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
   int4pack matmul on bfloat16 activations, 4-bit types only.
 
+Mixture-of-experts layers: each routed expert's gate/up and down become block
+matmuls of their own (``moe.ExpertModules``), cut from llama.cpp's stacked
+``ffn_*_exps`` tensors per expert, blocks untouched; ``moe.SparseMoE`` gathers
+the rows routed to an expert and multiplies them in one call. The router stays
+in float32.
+
 Q/K/V and gate/up are fused into one matmul each (their rows are concatenated;
 ``gguf_loader`` has already put llama.cpp's permuted Q/K rows back in order,
 and rows move whole, so the blocks are untouched). Both backends compute a row
@@ -36,6 +42,7 @@ from torch import nn
 
 from ifb_plugins.common import qkernels, quant_torch
 from ifb_plugins.common.gguf_loader import GGUFTensor
+from ifb_plugins.common.moe import ExpertModules, SparseMoE
 
 log = logging.getLogger("ifb.text")
 
@@ -45,10 +52,6 @@ BLOCK = 32
 #: block types read as stored: the native kernels' kind number, and bytes per block
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
 BLOCK_BYTES = {qtype: qkernels.BLOCK_BYTES[kind] for qtype, kind in KINDS.items()}
-#: projections fused at load: (fused name, parts in output order)
-FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-         ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
-SINGLE = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 
 Backend = Literal["native", "torch-int4"]
 
@@ -102,6 +105,16 @@ def read_blocks(tensor: GGUFTensor) -> BlockWeight | None:
     n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(n, -1).copy()  # off the file's read-only map
     return BlockWeight(tensor.ggml_type, torch.from_numpy(data), k)
+
+
+def read_expert_blocks(tensor: GGUFTensor) -> list[BlockWeight] | None:
+    """A stacked expert tensor (``ffn_*_exps``, ``[E, N, K]``) as one ``BlockWeight`` per expert
+    (its rows as stored); None for types the kernels do not read."""
+    if tensor.ggml_type not in KINDS or len(tensor.shape) != 3:
+        return None
+    e, n, k = tensor.shape
+    data = np.ascontiguousarray(tensor.data).reshape(e, n, -1)
+    return [BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k) for i in range(e)]
 
 
 def concat(parts: list[BlockWeight]) -> BlockWeight:
@@ -189,6 +202,14 @@ class _Swapper:
             return None
         return block
 
+    def expert_weights(self, name: str) -> list[BlockWeight] | None:
+        """A stacked expert tensor ``[E, N, K]`` as one ``BlockWeight`` per expert, or None."""
+        tensor = self.raw.get(f"{name}.weight")
+        experts = None if tensor is None else read_expert_blocks(tensor)
+        if experts is not None and self.backend == "torch-int4" and experts[0].bits != 4:
+            return None
+        return experts
+
     def module(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
         if self.kernels is not None:
             return BlockLinear(weight, bias, self.kernels, activations=self.activations)
@@ -201,32 +222,60 @@ def _fused_bias(modules: list[nn.Linear]) -> torch.Tensor | None:
     return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in modules])
 
 
-def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
+def _swap_projections(owner: nn.Module, prefix: str, fused: str, parts: tuple[str, ...], singles: tuple[str, ...],
+                      swap: _Swapper) -> tuple[int, int]:
+    """Put ``owner``'s projections on blocks: ``parts`` fused into ``fused`` when all share one type."""
     done = kept = 0
-    for owner_name, fused, parts in FUSED:
-        owner = getattr(layer, owner_name)
-        weights = [swap.weight(f"{prefix}.{owner_name}.{p}") for p in parts]
-        modules = [getattr(owner, p) for p in parts]
-        if all(w is not None for w in weights) and len({w.qtype for w in weights}) == 1:  # type: ignore[union-attr]
-            setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules)))  # type: ignore[arg-type]
-            for p in parts:
-                delattr(owner, p)
-            done += len(parts)
-            continue
+    weights = [swap.weight(f"{prefix}.{p}") for p in parts]
+    modules = [getattr(owner, p) for p in parts]
+    if all(w is not None for w in weights) and len({w.qtype for w in weights}) == 1:  # type: ignore[union-attr]
+        setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules)))  # type: ignore[arg-type]
+        for p in parts:
+            delattr(owner, p)
+        done += len(parts)
+    else:
         for p, w, m in zip(parts, weights, modules):
             if w is not None:
                 setattr(owner, p, swap.module(w, m.bias))
         done += sum(w is not None for w in weights)
         kept += sum(w is None for w in weights)
-    for owner_name, name in SINGLE:
-        owner = getattr(layer, owner_name)
-        w = swap.weight(f"{prefix}.{owner_name}.{name}")
+    for name in singles:
+        w = swap.weight(f"{prefix}.{name}")
         if w is None:
             kept += 1
         else:
             setattr(owner, name, swap.module(w, getattr(owner, name).bias))
             done += 1
     return done, kept
+
+
+def _swap_mlp(mlp: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
+    return _swap_projections(mlp, prefix, "gate_up_proj", ("gate_proj", "up_proj"), ("down_proj",), swap)
+
+
+def _swap_experts(moe: SparseMoE, prefix: str, swap: _Swapper) -> tuple[int, int]:
+    """The routed experts onto per-expert block matmuls (each stacked tensor counts as one projection);
+    the router stays in float32 (llama.cpp stores it so)."""
+    done = kept = 0
+    if moe.shared_expert is not None:
+        done, kept = _swap_mlp(moe.shared_expert, f"{prefix}.shared_expert", swap)
+    stacked = [swap.expert_weights(f"{prefix}.experts.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
+    if any(s is None for s in stacked) or len({w.qtype for w in stacked[0] + stacked[1]}) != 1:  # type: ignore[operator]
+        return done, kept + 3
+    gate, up, down = stacked
+    moe.experts = ExpertModules([swap.module(concat([g, u]), None) for g, u in zip(gate, up)],  # type: ignore[arg-type]
+                                [swap.module(d, None) for d in down])  # type: ignore[union-attr]
+    return done + 3, kept
+
+
+def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
+    done, kept = _swap_projections(layer.self_attn, f"{prefix}.self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                                   ("o_proj",), swap)
+    if isinstance(layer.mlp, SparseMoE):
+        a, b = _swap_experts(layer.mlp, f"{prefix}.mlp", swap)
+    else:
+        a, b = _swap_mlp(layer.mlp, f"{prefix}.mlp", swap)
+    return done + a, kept + b
 
 
 def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], backend: Backend | None = None,

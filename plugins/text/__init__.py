@@ -1,4 +1,5 @@
-"""The text plugin: Llama-family decoders (Llama, Qwen2/3, SmolLM, Mistral) under in-flight batching."""
+"""The text plugin: Llama-family decoders (Llama, Qwen2/3, SmolLM, Mistral) and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE under in-flight batching."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="text", plugin="text", title="Text LLM, single rank", declare=declare, load=load,
-        description="Llama-family decoder from a GGUF file or a Hugging Face safetensors directory",
+        description="Llama-family decoder (mixtures of experts included: Mixtral, Qwen2-MoE, Qwen3-MoE) "
+                    "from a GGUF file or a Hugging Face safetensors directory",
         settings=TEXT_SETTINGS)]
 
 

@@ -74,6 +74,13 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
         if kernels is not None:
             kernels.set_num_threads(torch.get_num_threads())
             quant.use_native_attention(model, kernels)
+            if model.config.has_moe:
+                # the native decoder runs dense layer stacks only: each layer's forward runs from Python,
+                # its matmuls (every routed expert's included) and attention on the native kernels
+                log.info("mixture-of-experts layers: the layer loop runs in Python, not the native decoder; "
+                         "matmuls and attention run on the native kernels")
+                return PreparedModel(report.describe() + "; mixture-of-experts layers driven from Python",
+                                     is_native=True, argmax=kernels.argmax)
             if use_native_decoder(model, kernels):
                 return PreparedModel(report.describe() + "; layers run natively", is_native=True,
                                      argmax=kernels.argmax)
