@@ -60,7 +60,7 @@ class CodecLM(nn.Module):
     def __init__(self, config: TextModelConfig):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def new_cache(self, num_positions: int) -> Cache:
@@ -114,20 +114,22 @@ class TalkerModel(CodecLM):
 class PredictorModel(CodecLM):
     """``talker.code_predictor.model``: the decoder, plus one embedding per codebook 1 .. G-1 (talker width)."""
 
-    def __init__(self, cfg: TalkerConfig):
-        super().__init__(cfg.predictor)
+    def __init__(self, predictor: TextModelConfig, talker_hidden: int, num_code_groups: int):
+        super().__init__(predictor)
         self.codec_embedding = nn.ModuleList(
-            nn.Embedding(cfg.predictor.vocab_size, cfg.decoder.hidden_size) for _ in range(cfg.num_code_groups - 1))
+            nn.Embedding(predictor.vocab_size, talker_hidden) for _ in range(num_code_groups - 1))
 
 
 class CodePredictor(nn.Module):
-    def __init__(self, cfg: TalkerConfig):
+    """``talker.code_predictor`` (Qwen3-TTS's, and Qwen3-Omni's, which has no projection: equal widths)."""
+
+    def __init__(self, predictor: TextModelConfig, talker_hidden: int, num_code_groups: int):
         super().__init__()
-        self.model = PredictorModel(cfg)
-        self.lm_head = nn.ModuleList(nn.Linear(cfg.predictor.hidden_size, cfg.predictor.vocab_size, bias=False)
-                                     for _ in range(cfg.num_code_groups - 1))
-        if cfg.predictor.hidden_size != cfg.decoder.hidden_size:
-            self.small_to_mtp_projection = nn.Linear(cfg.decoder.hidden_size, cfg.predictor.hidden_size)
+        self.model = PredictorModel(predictor, talker_hidden, num_code_groups)
+        self.lm_head = nn.ModuleList(nn.Linear(predictor.hidden_size, predictor.vocab_size, bias=False)
+                                     for _ in range(num_code_groups - 1))
+        if predictor.hidden_size != talker_hidden:
+            self.small_to_mtp_projection = nn.Linear(talker_hidden, predictor.hidden_size)
         else:
             self.small_to_mtp_projection = nn.Identity()
 
@@ -155,7 +157,7 @@ class Talker(nn.Module):
         self.model = TalkerModel(cfg)
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.decoder.hidden_size)
         self.codec_head = nn.Linear(cfg.decoder.hidden_size, cfg.decoder.vocab_size, bias=False)
-        self.code_predictor = CodePredictor(cfg)
+        self.code_predictor = CodePredictor(cfg.predictor, cfg.decoder.hidden_size, cfg.num_code_groups)
 
     def text(self, ids: Sequence[int]) -> torch.Tensor:
         """Text token ids -> talker inputs ``[n, H]``."""

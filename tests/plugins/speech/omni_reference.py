@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "interleaved": True}
-SPEAKERS = {"ethan": 76, "chelsie": 77}
+SPEAKERS = {"ethan": 1040, "chelsie": 1041}
+#: codes 0..31; the talker's vocabulary is 1024 ids larger (the reference never picks its top 1024 but EOS)
+TALKER_VOCAB = 32 + 1024
 
 
 def tiny_omni_config():
@@ -16,7 +18,7 @@ def tiny_omni_config():
     text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                 rope_parameters=dict(ROPE))
-    talker_text = dict(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    talker_text = dict(vocab_size=TALKER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
                        num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32,
                        rope_parameters=dict(ROPE))
@@ -27,13 +29,15 @@ def tiny_omni_config():
                               d_model=16, output_dim=32, downsample_hidden_size=8, n_window=4, n_window_infer=8),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                                out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
-            audio_token_id=290, image_token_id=291, video_token_id=292, audio_start_token_id=293),
+            audio_token_id=290, image_token_id=291, video_token_id=292, audio_start_token_id=293,
+            vision_start_token_id=289, vision_end_token_id=288, audio_end_token_id=287),
         talker_config=dict(
             text_config=talker_text,
             code_predictor_config=dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_code_groups=4),
-            num_code_groups=4, thinker_hidden_size=32, accept_hidden_layer=1, codec_eos_token_id=70,
-            codec_nothink_id=71, codec_think_bos_id=72, codec_think_eos_id=73, codec_pad_id=74, codec_bos_id=75,
+            num_code_groups=4, thinker_hidden_size=32, accept_hidden_layer=1, codec_eos_token_id=1030,
+            codec_nothink_id=1031, codec_think_bos_id=1032, codec_think_eos_id=1033, codec_pad_id=1034,
+            codec_bos_id=1035,
             speaker_id=dict(SPEAKERS), spatial_merge_size=2),
         # a window of 4 frames, shorter than the test's code sequences, so the window is exercised
         code2wav_config=dict(codebook_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
@@ -68,5 +72,9 @@ def save_tiny_omni(path: Path, seed: int = 0):
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config()).eval()
     liven(model.code2wav, seed)
+    with torch.no_grad():  # the Talker's init is near-uniform: spread it so greedy picks depend on every weight
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.talker.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(path)
     return model

@@ -7,13 +7,11 @@ import torch
 
 from ifb_plugins.speech.omni import load_code2wav, refuse_omni
 
-from .omni_reference import save_tiny_omni
 
 
 @pytest.fixture(scope="module")
-def omni(tmp_path_factory):
-    path = tmp_path_factory.mktemp("omni")
-    return path, save_tiny_omni(path, seed=1)
+def omni(omni_reference_model):
+    return omni_reference_model
 
 
 def _codes(num_frames: int, seed: int) -> torch.Tensor:
