@@ -12,8 +12,32 @@ SPEAKERS = {"ethan": 1040, "chelsie": 1041}
 TALKER_VOCAB = 32 + 1024
 
 
-def tiny_omni_config():
+OMNI_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>", "<|audio_pad|>",
+                "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|vision_start|>", "<|vision_end|>",
+                "<|audio_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def omni_tokenizer():
+    """A byte-level BPE of 288 tokens and the Thinker's special tokens after them (ids 288 ..)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=288, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["system", "user", "assistant"] * 8 + ["Say hi.", "Hello there, how are you?"], trainer)
+    bpe.add_special_tokens([AddedToken(t, special=True) for t in OMNI_SPECIAL])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
+
+
+def tiny_omni_config(tokenizer):
     from transformers import Qwen3OmniMoeConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in OMNI_SPECIAL}
+    word = {w: tokenizer.convert_tokens_to_ids(w) for w in ("system", "user", "assistant")}
 
     text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
@@ -29,8 +53,10 @@ def tiny_omni_config():
                               d_model=16, output_dim=32, downsample_hidden_size=8, n_window=4, n_window_infer=8),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                                out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
-            audio_token_id=290, image_token_id=291, video_token_id=292, audio_start_token_id=293,
-            vision_start_token_id=289, vision_end_token_id=288, audio_end_token_id=287),
+            audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            audio_end_token_id=ids["<|audio_end|>"]),
         talker_config=dict(
             text_config=talker_text,
             code_predictor_config=dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -43,8 +69,9 @@ def tiny_omni_config():
         code2wav_config=dict(codebook_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                              intermediate_size=64, num_hidden_layers=2, num_quantizers=4, sliding_window=4,
                              upsample_rates=[2, 2], upsampling_ratios=[2], decoder_dim=16),
-        tts_pad_token_id=294, tts_bos_token_id=295, tts_eos_token_id=296, im_start_token_id=297,
-        im_end_token_id=298, system_token_id=1, user_token_id=2, assistant_token_id=3)
+        tts_pad_token_id=ids["<|tts_pad|>"], tts_bos_token_id=ids["<|tts_bos|>"], tts_eos_token_id=ids["<|tts_eos|>"],
+        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"], system_token_id=word["system"],
+        user_token_id=word["user"], assistant_token_id=word["assistant"])
 
 
 def liven(module: torch.nn.Module, seed: int) -> None:
@@ -69,12 +96,14 @@ def save_tiny_omni(path: Path, seed: int = 0):
     """Build ``Qwen3OmniMoeForConditionalGeneration`` with random weights and ``save_pretrained`` it."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
+    tokenizer = omni_tokenizer()
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config()).eval()
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config(tokenizer)).eval()
     liven(model.code2wav, seed)
     with torch.no_grad():  # the Talker's init is near-uniform: spread it so greedy picks depend on every weight
         gen = torch.Generator().manual_seed(seed)
         for p in model.talker.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return model

@@ -9,9 +9,12 @@ from ifb_plugins.speech.omni import load_code2wav
 from ifb_plugins.speech.omni_talker import ThinkerStates, load_talker
 from ifb_plugins.speech.tts_model import Sampling
 
-IM_START, IM_END, USER, ASSISTANT = 297, 298, 2, 3
-#: <|im_start|>user ... <|im_end|>\n<|im_start|>assistant\n
-PROMPT = [IM_START, USER, 10, 11, 12, IM_END, 13, IM_START, ASSISTANT, 14]
+from .omni_reference import omni_tokenizer
+
+TOKENIZER = omni_tokenizer()
+IM_END = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+PROMPT = TOKENIZER.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
 
 
 def reference_run(model, speaker: str):
