@@ -79,11 +79,11 @@ def declare_tts(config: DeployConfig) -> DeploymentCaps:
 
 
 def load_omni(config: DeployConfig):
-    from ifb_plugins.speech.omni import refuse_omni
+    from ifb_plugins.speech.omni_runtime import load_omni_runtime
 
     if not config.model:
         raise FileNotFoundError("the omni deployment has no default model: give a Qwen3-Omni checkpoint directory")
-    refuse_omni(config.model)
+    return load_omni_runtime(config, declare_omni(config))
 
 
 def load_tts(config: DeployConfig):
@@ -101,7 +101,7 @@ def load_tts(config: DeployConfig):
 
 OMNI_KIND = DeploymentKind(
     name="omni", plugin="speech", title=OMNI_TITLE, declare=declare_omni, load=load_omni,
-    settings=TEXT_RUNTIME_SETTINGS,
+    settings=TEXT_RUNTIME_SETTINGS | {"max_audio_frames"},
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
     description="Qwen3-Omni (Thinker + Talker + Code2Wav); loading is refused until its Thinker is built")

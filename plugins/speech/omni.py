@@ -2,11 +2,9 @@
 
 A checkpoint as transformers saves it: ``config.json`` with ``thinker_config``,
 ``talker_config`` and ``code2wav_config``, and weights prefixed ``thinker.``,
-``talker.`` and ``code2wav.``. What is built from it so far is the Code2Wav
-codec decoder (``codec_decoder.CodecDecoder``, kind ``omni``). The Thinker (a
-Qwen3-MoE decoder with M-RoPE and audio / vision encoders) and the Talker are
-not built yet, so the ``omni`` deployment kind refuses such a checkpoint at
-load time, saying so, rather than serve part of it.
+``talker.`` and ``code2wav.``. This module reads the config and builds the
+Code2Wav codec decoder (``codec_decoder.CodecDecoder``, kind ``omni``); the
+Talker is ``omni_talker``, the Thinker and the runtime ``omni_runtime``.
 """
 
 from __future__ import annotations
@@ -19,10 +17,6 @@ from ifb_plugins.speech.codec_decoder import CodecDecoder, CodecDecoderConfig
 from ifb_plugins.speech.weights import adopt, load_prefixed
 
 MODEL_TYPE = "qwen3_omni_moe"
-
-NOT_BUILT = ("the Qwen3-Omni Thinker (its Qwen3-MoE text decoder with M-RoPE, audio and vision encoders) and "
-             "Talker are not implemented yet, so this deployment cannot serve {path}; of a Qwen3-Omni checkpoint "
-             "only the Code2Wav codec decoder is built (ifb_plugins.speech.omni.load_code2wav)")
 
 
 def read_omni_config(path: str | Path) -> dict[str, Any]:
@@ -50,8 +44,3 @@ def load_code2wav(path: str | Path) -> CodecDecoder:
     cfg = code2wav_config(read_omni_config(path))
     return adopt(lambda: CodecDecoder(cfg), load_prefixed(path, "code2wav."), "code2wav")
 
-
-def refuse_omni(path: str | Path) -> None:
-    """Raise the load-time refusal for a Qwen3-Omni checkpoint (after checking that it is one)."""
-    read_omni_config(path)
-    raise NotImplementedError(NOT_BUILT.format(path=path))

@@ -95,7 +95,8 @@ async def create_speech(request: Request) -> Response:
     body = parse_body(await request.body(), SpeechBody)
     settings = _audio_settings(body)
     spec = RequestSpec(prompt=body.input, params=SamplingParams(max_tokens=1, seed=body.seed),
-                       extras={**state.model_extras(body.model), "generate_audio": True, "audio": settings})
+                       extras={**state.model_extras(body.model), "generate_audio": True, "speak_input": True,
+                               "audio": settings})
     try:
         state.deployment.runtime.speech_request(spec)  # the model's own checks, answered before queueing
     except InvalidRequest as exc:

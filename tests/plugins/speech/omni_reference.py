@@ -99,6 +99,11 @@ def save_tiny_omni(path: Path, seed: int = 0):
     tokenizer = omni_tokenizer()
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config(tokenizer)).eval()
+    with torch.no_grad():  # transformers 5.24 leaves the stacked MoE experts as torch.empty: give them values
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     liven(model.code2wav, seed)
     with torch.no_grad():  # the Talker's init is near-uniform: spread it so greedy picks depend on every weight
         gen = torch.Generator().manual_seed(seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ifb_plugins.speech.omni import load_code2wav, refuse_omni
+from ifb_plugins.speech.omni import load_code2wav
 
 
 
@@ -48,16 +48,3 @@ def test_code2wav_rejects_a_wrong_number_of_codebooks(omni):
     with pytest.raises(ValueError, match="expected 4 codebooks"):
         ours(torch.zeros(1, 3, 5, dtype=torch.long))
 
-
-def test_the_omni_thinker_is_refused_with_the_reason(omni):
-    with pytest.raises(NotImplementedError, match="Thinker .* not implemented yet"):
-        refuse_omni(omni[0])
-
-
-@pytest.mark.parametrize("in_flight", [False, True])
-def test_the_omni_deployment_refuses_a_real_checkpoint_rather_than_serve_part_of_it(omni, in_flight):
-    from ifb.capabilities import DeployConfig
-    from ifb.deploy import load_deployment
-
-    with pytest.raises(NotImplementedError, match="Qwen3-Omni Thinker"):
-        load_deployment(DeployConfig(model=str(omni[0]), plugin="omni", enable_in_flight_batching=in_flight))
