@@ -25,6 +25,7 @@ import torch
 
 from ifb.blocking import drive_alone
 from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.options import has_media
 from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
@@ -109,7 +110,7 @@ class OmniRuntime(TextRuntime):
                           min(int(raw.get("max_frames") or self.max_audio_frames), self.max_audio_frames))
 
     def prepare(self, spec: RequestSpec) -> Prepared:
-        if spec.extras.get("media"):
+        if has_media(spec):
             raise InvalidRequest("audio and image input to Qwen3-Omni is not built yet (its encoders are not loaded)")
         if not spec.extras.get("generate_audio"):
             return super().prepare(spec)
