@@ -132,7 +132,7 @@ def generate_audio(llm: Any, text: str, voice: str | None = None, *, format: str
     """Speak ``text`` with a speech deployment; returns the whole audio file (WAV, 24 kHz mono 16-bit, by default).
 
     ``llm`` is an ``ifb.LLM`` (or an ``ifb.deploy.Deployment``) loaded with
-    ``plugin="tts"``. ``voice`` is one of a CustomVoice model's speakers,
+    ``plugin="tts"`` or ``plugin="omni"`` (Qwen3-Omni says the text as its reply). ``voice`` is one of a CustomVoice model's speakers,
     ``instructions`` describes the delivery (or, on a VoiceDesign model, the
     voice), ``language`` is ``auto`` or one the model names; ``format`` is wav,
     pcm, mp3, flac or opus. Sampling follows the checkpoint's
@@ -143,7 +143,8 @@ def generate_audio(llm: Any, text: str, voice: str | None = None, *, format: str
     deployment = getattr(llm, "deployment", llm)
     spec = RequestSpec(
         prompt=text, params=SamplingParams(max_tokens=1, seed=seed, temperature=0.0 if greedy else 1.0),
-        extras={"generate_audio": True, "audio": {"voice": voice, "format": format, "speed": speed,
-                                                  "instructions": instructions, "language": language}})
+        extras={"generate_audio": True, "speak_input": True,
+                "audio": {"voice": voice, "format": format, "speed": speed, "instructions": instructions,
+                          "language": language}})
     final = deployment.engine.submit(spec, wait=True).result()
     return final.extras["speech"]["data"]

@@ -118,3 +118,11 @@ def test_the_routes_speak_on_the_blocking_path(speaking):
     bad = client.post("/v1/audio/speech", json={"input": "Hello there", "voice": "vivian"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "voice"
     assert "unknown voice 'vivian'" in bad.json()["error"]["message"]
+
+
+def test_generate_audio_says_the_text_on_an_omni_deployment(speaking):
+    from ifb_plugins.speech import generate_audio
+
+    wav = generate_audio(speaking[0], "Hello there", "chelsie", format="wav", seed=3)
+    samples, rate = soundfile.read(io.BytesIO(wav))
+    assert rate == 24000 and samples.size > 0
