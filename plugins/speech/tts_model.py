@@ -244,6 +244,8 @@ def penalize(logits: torch.Tensor, previous: Sequence[int], penalty: float) -> t
 
 def choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> torch.Tensor:
     """Greedy (``argmax``), or HF's temperature -> top-k -> top-p -> multinomial; a 0-d long tensor."""
+    if torch.isnan(logits).any():
+        raise FloatingPointError("the model's codec logits are NaN: its weights or activations are not finite")
     if not sampling.do_sample:
         return logits.argmax()
     logits = logits / sampling.temperature
