@@ -1,15 +1,16 @@
-"""The speech plugin: an Omni-style bundle (Thinker + Talker + code-to-waveform) and a standalone TTS model.
+"""The speech plugin: Qwen3-Omni (``omni``) and the standalone Qwen3-TTS model (``tts``).
 
-- ``omni`` (title "Speech output, Omni bundle"): the Thinker is a text runtime
-  that the engine serves under in-flight batching. Under the flag the bundle
-  starts text-only: the Talker and decoder are not loaded, and
-  ``/v1/audio/speech`` and audio output on chat are refused per request,
-  naming the flag. On the default (blocking) path it speaks.
-- ``tts`` (title "Speech output, standalone TTS model"): Talker + decoder, no
-  Thinker. No request engine exists for it, so the flag is refused at
-  start-up; on the default path it serves ``/v1/audio/speech``.
+- ``tts`` (title "Speech output, standalone TTS model"): Qwen3-TTS as Qwen's
+  ``qwen-tts`` package defines it (talker + code predictor + the 12 Hz speech
+  tokenizer's decoder). No request engine exists for it, so
+  ``--enable-in-flight-batching`` is refused at start-up; on the default path
+  it serves ``/v1/audio/speech``.
+- ``omni`` (title "Speech output, Omni bundle"): declared as the spec has it
+  (text-only under the flag: the Thinker served, speech refused per request).
+  Of a Qwen3-Omni checkpoint only the Code2Wav decoder is built so far, so
+  loading one is refused with that reason (``ifb_plugins.speech.omni``).
 
-Python: ``generate_audio(llm, text, voice=None) -> bytes`` (a WAV file).
+Python: ``generate_audio(llm, text, voice=None, ...) -> bytes`` (the audio file).
 See docs/plugins/speech.md.
 """
 
@@ -25,9 +26,6 @@ from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
-
-#: extras key: speak the prompt as given instead of answering it (what /v1/audio/speech asks)
-SPEAK_PROMPT = "speak_prompt"
 
 OMNI_TITLE = "Speech output, Omni bundle"
 TTS_TITLE = "Speech output, standalone TTS model"
@@ -82,28 +80,36 @@ def declare_tts(config: DeployConfig) -> DeploymentCaps:
 
 
 def load_omni(config: DeployConfig):
-    from ifb_plugins.speech.build import load_omni_runtime
+    from ifb_plugins.speech.omni_runtime import load_omni_runtime
 
+    if not config.model:
+        raise FileNotFoundError("the omni deployment has no default model: give a Qwen3-Omni checkpoint directory")
     return load_omni_runtime(config, declare_omni(config))
 
 
 def load_tts(config: DeployConfig):
-    from ifb_plugins.speech.build import load_tts_runtime
+    from pathlib import Path
 
-    return load_tts_runtime(config, declare_tts(config))
+    from ifb_plugins.speech.runtime import TtsRuntime
+    from ifb_plugins.speech.tts import load_tts as load_speaker
+
+    if not config.model:
+        raise FileNotFoundError("the tts deployment has no default model: give a Qwen3-TTS checkpoint directory")
+    path = Path(config.model)
+    name = config.options.get("served_model_name") or path.name
+    return TtsRuntime(speaker=load_speaker(path), caps=declare_tts(config), config=config, model_name=name)
 
 
 OMNI_KIND = DeploymentKind(
     name="omni", plugin="speech", title=OMNI_TITLE, declare=declare_omni, load=load_omni,
-    settings=TEXT_RUNTIME_SETTINGS,
+    settings=TEXT_RUNTIME_SETTINGS | {"max_audio_frames"},
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
-    description="Thinker (Llama-family text model) + Talker (audio codec tokens) + code-to-waveform decoder "
-                "at 24 kHz, from a safetensors directory")
+    description="Qwen3-Omni (Thinker + Talker + Code2Wav); loading is refused until its Thinker is built")
 TTS_KIND = DeploymentKind(
     name="tts", plugin="speech", title=TTS_TITLE, declare=declare_tts, load=load_tts,
     settings=frozenset({"served_model_name"}),
-    description="Talker + code-to-waveform decoder at 24 kHz (no Thinker), from a safetensors directory")
+    description="Qwen3-TTS CustomVoice / VoiceDesign (talker, code predictor, 12 Hz codec decoder) at 24 kHz")
 
 
 @hookimpl
@@ -122,19 +128,24 @@ def ifb_http_routes(app_state: Any):
 
 
 def generate_audio(llm: Any, text: str, voice: str | None = None, *, format: str = "wav",  # noqa: A002
-                   speed: float = 1.0, seed: int | None = None) -> bytes:
-    """Speak ``text`` with a speech deployment; returns the audio file (WAV, 24 kHz mono 16-bit, by default).
+                   speed: float = 1.0, instructions: str | None = None, language: str | None = None,
+                   seed: int | None = None, greedy: bool = False) -> bytes:
+    """Speak ``text`` with a speech deployment; returns the whole audio file (WAV, 24 kHz mono 16-bit, by default).
 
     ``llm`` is an ``ifb.LLM`` (or an ``ifb.deploy.Deployment``) loaded with
-    ``plugin="omni"`` or ``plugin="tts"``. ``format`` is wav, pcm or mp3 (mp3
-    when an encoder is installed). Speech runs on the blocking path only: under
-    in-flight batching this raises ``ifb.engine.RequestRejected`` naming it.
-    Bad text, voice, format or speed raise ``ifb.params.InvalidRequest``.
+    ``plugin="tts"`` or ``plugin="omni"`` (Qwen3-Omni says the text as its reply). ``voice`` is one of a CustomVoice model's speakers,
+    ``instructions`` describes the delivery (or, on a VoiceDesign model, the
+    voice), ``language`` is ``auto`` or one the model names; ``format`` is wav,
+    pcm, mp3, flac or opus. Sampling follows the checkpoint's
+    generation_config, seeded by ``seed``; ``greedy`` picks the likeliest codes.
+    Under in-flight batching this raises ``ifb.engine.RequestRejected``; bad
+    text, voice, instructions, language, format or speed raise ``ifb.params.InvalidRequest``.
     """
     deployment = getattr(llm, "deployment", llm)
     spec = RequestSpec(
-        prompt=text, params=SamplingParams(max_tokens=1, seed=seed),
-        extras={"generate_audio": True, SPEAK_PROMPT: True, "audio": {"voice": voice, "format": format,
-                                                                       "speed": speed}})
+        prompt=text, params=SamplingParams(max_tokens=1, seed=seed, temperature=0.0 if greedy else 1.0),
+        extras={"generate_audio": True, "speak_input": True,
+                "audio": {"voice": voice, "format": format, "speed": speed, "instructions": instructions,
+                          "language": language}})
     final = deployment.engine.submit(spec, wait=True).result()
     return final.extras["speech"]["data"]

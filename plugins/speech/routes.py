@@ -1,102 +1,145 @@
 """``POST /v1/audio/speech`` (OpenAI's text-to-speech endpoint) for speech deployments.
 
-Body: ``{"model", "input", "voice", "response_format": "wav" | "pcm" | "mp3", "speed"}``.
-The answer is the audio itself (``audio/wav``, ``audio/pcm``: raw 16-bit
-little-endian mono at 24 kHz, or ``audio/mpeg``). Under in-flight batching
-the route answers 400 naming the flag: speech runs on the blocking path only.
+Body: OpenAI's ``{"model", "input", "voice", "instructions", "response_format", "speed",
+"stream_format"}`` plus Qwen3-TTS's ``language`` and a ``seed``. The answer is the
+audio itself, streamed as OpenAI streams it: with ``stream_format: "audio"``
+(the default) the container's bytes go out in chunked transfer as their codes
+are decoded; with ``"sse"`` as server-sent events ``speech.audio.delta``
+(base64 audio) and a closing ``speech.audio.done`` with the usage.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import base64
+import json
+import logging
+from typing import Any, AsyncGenerator
 
 import attrs
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.server.errors import ApiError
-from ifb.server.openai_routes import until_disconnect
+from ifb.server.openai_routes import EventStream
 from ifb.server.schemas import parse_body
-from ifb_plugins.speech import SPEAK_PROMPT, audio
+from ifb_plugins.speech import audio
+
+log = logging.getLogger("ifb.speech")
 
 ENDPOINT = "audio.speech"
 PATH = "/v1/audio/speech"
 #: OpenAI's limit on ``input``
 MAX_INPUT_CHARS = 4096
+STREAM_FORMATS = ("audio", "sse")
 
 
 @attrs.frozen
-class SpeechRequest:
-    """OpenAI's ``POST /v1/audio/speech`` body."""
+class SpeechBody:
+    """OpenAI's ``POST /v1/audio/speech`` body, with Qwen3-TTS's ``language``."""
 
     input: str
     model: str | None = None
     voice: str | None = None
+    instructions: str | None = None
     response_format: str | None = None
     speed: float | None = None
-    instructions: str | None = None
     stream_format: str | None = None
+    language: str | None = None
+    seed: int | None = None
 
 
-def _settings(body: SpeechRequest, voices: tuple[str, ...]) -> dict[str, Any]:
-    """Validate the body against the deployment; each fault names its field."""
+class AudioStream(EventStream):
+    """Chunked audio bytes that cancel the request when the client leaves (as ``EventStream`` does)."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], handle, media_type: str):
+        StreamingResponse.__init__(self, chunks, media_type=media_type,
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = chunks
+        self._handle = handle
+
+
+def _audio_settings(body: SpeechBody) -> dict[str, Any]:
+    """Validate what does not depend on the model; each fault names its field."""
     if not body.input.strip():
         raise ApiError(400, "input must not be empty", param="input")
     if len(body.input) > MAX_INPUT_CHARS:
         raise ApiError(400, f"input is {len(body.input)} characters; at most {MAX_INPUT_CHARS} are allowed",
                        param="input")
-    if body.instructions:
-        raise ApiError(400, "instructions are not supported by this model", param="instructions",
+    if body.stream_format not in (None, *STREAM_FORMATS):
+        raise ApiError(400, f"stream_format must be one of {', '.join(STREAM_FORMATS)}", param="stream_format",
                        code="unsupported_parameter")
-    if body.stream_format not in (None, "audio"):
-        raise ApiError(400, "only stream_format 'audio' is supported (the whole file in one response)",
-                       param="stream_format", code="unsupported_parameter")
-    if body.voice is not None and body.voice not in voices:
-        raise ApiError(400, f"unknown voice {body.voice!r}; this model's voices: {', '.join(voices)}",
-                       param="voice")
     try:
-        fmt = audio.check_format(body.response_format or audio.default_speech_format())
+        fmt = audio.check_format(body.response_format or "mp3")  # OpenAI's default
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), param="response_format") from None
-    speed = 1.0 if body.speed is None else body.speed
-    if not audio.MIN_SPEED <= speed <= audio.MAX_SPEED:
-        raise ApiError(400, f"speed must be between {audio.MIN_SPEED} and {audio.MAX_SPEED}", param="speed")
-    return {"voice": body.voice, "format": fmt, "speed": speed}
+    try:
+        speed = audio.check_speed(body.speed)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param="speed") from None
+    return {"voice": body.voice, "instructions": body.instructions, "language": body.language, "format": fmt,
+            "speed": speed, "stream": True}
+
+
+def _param(message: str) -> str | None:
+    for field in ("voice", "instructions", "language"):
+        if field in message:
+            return field
+    return None
 
 
 async def create_speech(request: Request) -> Response:
     state = request.app.state.ifb
     state.require_endpoint(ENDPOINT, PATH)  # 404 where absent, 400 naming the flag under it
-    body = parse_body(await request.body(), SpeechRequest)
-    runtime = state.deployment.runtime
-    settings = _settings(body, tuple(runtime.speech_config.talker.voices))
-    extras = {**state.model_extras(body.model), "generate_audio": True, SPEAK_PROMPT: True, "audio": settings}
-    spec = RequestSpec(prompt=body.input, params=SamplingParams(max_tokens=1), extras=extras)
-    timer = state.metrics.timer()
-    handle = await state.submit(spec)
-    final = None
-
-    async def wait() -> None:
-        nonlocal final
-        async for out in handle:
-            timer.observe(out)
-            if out.finished:
-                final = out
-
+    body = parse_body(await request.body(), SpeechBody)
+    settings = _audio_settings(body)
+    spec = RequestSpec(prompt=body.input, params=SamplingParams(max_tokens=1, seed=body.seed),
+                       extras={**state.model_extras(body.model), "generate_audio": True, "speak_input": True,
+                               "audio": settings})
     try:
-        present, _ = await until_disconnect(request, handle, wait)
-    finally:
-        timer.finish()
-    if not present:
-        return Response(status_code=499)  # the client left; its request was cancelled
-    if final is None or final.finish_reason == "error" or "speech" not in final.extras:
-        status = int((final.extras if final is not None else {}).get("status", 500))
-        message = final.error if final is not None and final.error else "speech generation failed"
-        raise ApiError(status, message, code="engine_full" if status == 429 else None)
-    speech = final.extras["speech"]
-    return Response(speech["data"], media_type=audio.MEDIA_TYPES[speech["format"]])
+        state.deployment.runtime.speech_request(spec)  # the model's own checks, answered before queueing
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=_param(str(exc))) from None
+    handle = await state.submit(spec)
+    outputs = handle.__aiter__()
+    first = await outputs.__anext__()  # a failure before any audio still gets its status code
+    if first.finished and first.finish_reason in ("error", "cancelled"):
+        status = int(first.extras.get("status", 500)) if first.extras else 500
+        raise ApiError(status, first.error or "speech generation failed", code="engine_full" if status == 429 else None)
+    if body.stream_format == "sse":
+        return AudioStream(_events(first, outputs), handle, "text/event-stream")
+    return AudioStream(_chunks(first, outputs), handle, audio.MEDIA_TYPES[settings["format"]])
+
+
+async def _outputs(first, rest) -> AsyncGenerator[Any, None]:
+    yield first
+    async for out in rest:
+        if out.finished and out.finish_reason == "error":
+            # the status line is sent: the body ends short, which is what the client can see
+            log.error("speech request failed mid-stream: %s", out.error)
+            return
+        yield out
+
+
+async def _chunks(first, rest) -> AsyncGenerator[bytes, None]:
+    async for out in _outputs(first, rest):
+        if out.extras.get("audio_chunk"):
+            yield out.extras["audio_chunk"]
+
+
+async def _events(first, rest) -> AsyncGenerator[bytes, None]:
+    async for out in _outputs(first, rest):
+        if out.extras.get("audio_chunk"):
+            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(out.extras["audio_chunk"]).decode()})
+        if out.finished:
+            usage = {"input_tokens": out.num_prompt_tokens, "output_tokens": out.num_output_tokens,
+                     "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+            yield _sse({"type": "speech.audio.done", "usage": usage})
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
 
 def speech_routes() -> list[Route]:

@@ -1,182 +1,130 @@
-"""The speech deployments behind the real server app: /v1/audio/speech, chat audio, /v1/models."""
+"""``/v1/audio/speech`` on a Qwen3-TTS deployment behind the real server app, and the deployment's declarations."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
-import wave
-from types import SimpleNamespace
 
-import openai
+import numpy as np
 import pytest
+import soundfile
 from starlette.testclient import TestClient
 
 from ifb.capabilities import DeployConfig
 from ifb.deploy import load_deployment
+from ifb.params import RequestSpec, SamplingParams
 from ifb.server.app import build_app
-import ifb_plugins.speech as speech_plugin
-from ifb_plugins.speech import audio
-from ifb_plugins.speech.testing import save_tiny_omni_checkpoint
+from ifb_plugins.speech import generate_audio
 
-HOP = 480
-
-
-@pytest.fixture(scope="module")
-def omni_dir(tmp_path_factory):
-    return save_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni"), seed=5)
+TEXT = "Hello there, how are you?"
+SAMPLES_PER_FRAME = 8  # the tiny speech tokenizer's decode_upsample_rate
 
 
 @pytest.fixture(scope="module")
-def tts_dir(tmp_path_factory):
-    return save_tiny_omni_checkpoint(tmp_path_factory.mktemp("tts"), seed=6, with_thinker=False)
-
-
-def _client(model_dir, plugin, in_flight=False):
-    deployment = load_deployment(DeployConfig(model=str(model_dir), plugin=plugin,
-                                              enable_in_flight_batching=in_flight))
-    return deployment, TestClient(build_app(deployment, model_name="speechy"), base_url="http://localhost")
-
-
-@pytest.fixture(scope="module")
-def omni(omni_dir):
-    deployment, client = _client(omni_dir, "omni")
-    with client:
-        yield client
+def deployment(tts_reference_model):
+    deployment = load_deployment(DeployConfig(model=str(tts_reference_model[0]), plugin="tts"))
+    yield deployment
     deployment.shutdown()
 
 
 @pytest.fixture(scope="module")
-def omni_ifb(omni_dir):
-    deployment, client = _client(omni_dir, "omni", in_flight=True)
-    with client:
+def client(deployment):
+    with TestClient(build_app(deployment, model_name="qwen3-tts"), base_url="http://localhost") as client:
         yield client
-    deployment.shutdown()
+
+
+def speak(client, **body):
+    return client.post("/v1/audio/speech", json={"model": "qwen3-tts", "input": TEXT, "voice": "vivian",
+                                                 "seed": 7, **body})
+
+
+def pcm_samples(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
 
 
 @pytest.fixture(scope="module")
-def tts(tts_dir):
-    deployment, client = _client(tts_dir, "tts")
-    with client:
-        yield client
-    deployment.shutdown()
+def pcm(client):
+    response = speak(client, response_format="pcm")
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/pcm"
+    return pcm_samples(response.content)
 
 
-def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=client, max_retries=0)
+def test_pcm_is_the_utterance_at_24_khz(pcm):
+    assert pcm.size > 0 and pcm.size % SAMPLES_PER_FRAME == 0 and np.abs(pcm).max() > 0
 
 
-def frames(data: bytes) -> tuple[int, int, int, int]:
-    with wave.open(io.BytesIO(data)) as w:
-        return w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()
+@pytest.mark.parametrize("fmt, media_type", [("wav", "audio/wav"), ("flac", "audio/flac"), ("opus", "audio/ogg")])
+def test_each_container_holds_the_same_audio(client, deployment, pcm, fmt, media_type):
+    response = speak(client, response_format=fmt)
+    assert response.status_code == 200 and response.headers["content-type"] == media_type
+    streamed = response.content
+    whole = generate_audio(deployment, TEXT, "vivian", format=fmt, seed=7)  # one file, its length in the header
+    samples, rate = soundfile.read(io.BytesIO(whole), dtype="float32")
+    assert rate == 24000
+    if fmt == "opus":  # lossy, with the codec's own delay: the length is what can be checked
+        assert abs(samples.size - pcm.size) <= 24000 // 50 and streamed[:4] == b"OggS"
+        return
+    assert samples.shape == pcm.shape and np.abs(samples - pcm).max() <= 1.0 / 32767 + 1e-6
+    # The stream's header says "length unknown" (it was sent before the length was); the rest is the same file.
+    assert len(streamed) == len(whole) and streamed[64:] == whole[64:] and streamed[:4] == whole[:4]
 
 
-def endpoints(client: TestClient) -> list[str]:
-    return client.get("/v1/models").json()["data"][0]["capabilities"]["endpoints"]
+def test_mp3_is_the_default_format(client, pcm):
+    response = client.post("/v1/audio/speech", json={"input": TEXT, "voice": "vivian", "seed": 7})
+    assert response.status_code == 200 and response.headers["content-type"] == "audio/mpeg"
+    data = response.content
+    assert data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0)  # an MPEG frame sync
 
 
-@pytest.mark.parametrize("which", ["omni", "tts"])
-def test_speech_endpoint_on_the_default_path(which, request):
-    client = request.getfixturevalue(which)
-    reply = oai(client).audio.speech.create(model="speechy", voice="echo", input="Hello from the server.",
-                                            response_format="wav")
-    rate, channels, width, num_frames = frames(reply.content)
-    assert (rate, channels, width) == (24000, 1, 2) and num_frames > 0 and num_frames % HOP == 0
-    assert reply.response.headers["content-type"] == "audio/wav"
-    pcm = client.post("/v1/audio/speech", json={"model": "speechy", "voice": "echo",
-                                                "input": "Hello from the server.", "response_format": "pcm"})
-    assert pcm.status_code == 200 and pcm.headers["content-type"] == "audio/pcm"
-    assert len(pcm.content) == 2 * num_frames
-    assert "audio.speech" in endpoints(client)
+def test_speed_scales_the_duration(client, pcm):
+    fast = pcm_samples(speak(client, response_format="pcm", speed=2.0).content)
+    assert abs(fast.size - pcm.size / 2) <= 2 * SAMPLES_PER_FRAME
 
 
-def test_speech_endpoint_default_format_and_mp3(omni):
-    reply = omni.post("/v1/audio/speech", json={"input": "Default format."})
-    assert reply.status_code == 200
-    assert reply.headers["content-type"] == audio.MEDIA_TYPES[audio.default_speech_format()]
-    if audio.mp3_available():
-        assert reply.headers["content-type"] == "audio/mpeg" and len(reply.content) > 0
+def test_sse_streams_base64_deltas_then_done(client, pcm):
+    response = speak(client, response_format="pcm", stream_format="sse")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert np.abs(pcm_samples(audio) - pcm).max() <= 1.0 / 32767 + 1e-6
 
 
-def test_speech_endpoint_refuses_mp3_without_an_encoder(omni, monkeypatch):
-    monkeypatch.setattr(audio, "mp3_available", lambda: False)
-    reply = omni.post("/v1/audio/speech", json={"input": "x", "response_format": "mp3"})
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert error["param"] == "response_format" and "supported formats: wav, pcm" in error["message"]
+def test_audio_is_sent_as_its_codes_are_decoded(deployment, pcm):
+    """Chunks leave the runtime while the talker is still speaking, and add up to the same audio."""
+    runtime = deployment.runtime
+    runtime.stream_frames = 4
+    try:
+        spec = RequestSpec(prompt=TEXT, params=SamplingParams(max_tokens=1, seed=7), extras={
+            "generate_audio": True, "audio": {"voice": "vivian", "format": "pcm", "stream": True}})
+        outputs = list(deployment.engine.submit(spec, wait=True))
+    finally:
+        runtime.stream_frames = type(runtime).stream_frames
+    chunks = [out.extras["audio_chunk"] for out in outputs if "audio_chunk" in out.extras]
+    num_frames = outputs[-1].extras["speech"]["num_frames"]
+    assert len(chunks) == -(-num_frames // 4) >= 2
+    assert len(chunks[0]) == 4 * SAMPLES_PER_FRAME * 2  # the first 4 frames, before the others were made
+    assert not outputs[0].finished
+    assert np.abs(pcm_samples(b"".join(chunks)) - pcm).max() <= 1.0 / 32767 + 1e-6
 
 
-@pytest.mark.parametrize("body,param,words", [
-    ({"input": "hi", "voice": "nobody"}, "voice", "alloy"),
-    ({"input": "hi", "response_format": "flac"}, "response_format", "supported formats"),
-    ({"input": "hi", "speed": 9}, "speed", "between"),
-    ({"input": "   "}, "input", "empty"),
-    ({"input": "x" * 4097}, "input", "4096"),
-    ({"input": "hi", "instructions": "whisper"}, "instructions", "not supported"),
-    ({"input": "hi", "bogus": 1}, None, "bogus"),
-    ({"voice": "alloy"}, "input", "required"),
+@pytest.mark.parametrize("body, param, message", [
+    ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
+    ({"language": "klingon"}, "language", "unknown language"),
+    ({"response_format": "aac"}, "response_format", "supported formats: mp3, opus, flac, wav, pcm"),
+    ({"speed": 9}, "speed", "between 0.25 and 4.0"),
+    ({"stream_format": "video"}, "stream_format", "audio, sse"),
+    ({"input": " "}, "input", "must not be empty"),
 ])
-def test_speech_endpoint_bad_requests(omni, body, param, words):
-    reply = omni.post("/v1/audio/speech", json=body)
-    assert reply.status_code == 400
-    error = reply.json()["error"]
-    assert error["param"] == param and words in error["message"]
+def test_bad_requests_are_400s_naming_the_field(client, body, param, message):
+    response = speak(client, **body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]
 
 
-def test_speech_endpoint_unknown_model_is_404(tts):
-    reply = tts.post("/v1/audio/speech", json={"model": "tts-1", "input": "hi"})
-    assert reply.status_code == 404 and reply.json()["error"]["param"] == "model"
-
-
-def test_chat_audio_output_on_the_default_path(omni):
-    reply = oai(omni).chat.completions.create(
-        model="speechy", messages=[{"role": "user", "content": "Say something"}], max_tokens=6,
-        temperature=0, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
-    message = reply.choices[0].message
-    assert message.audio is not None and message.audio.id.startswith("audio_")
-    assert message.audio.transcript == message.content
-    assert frames(base64.b64decode(message.audio.data))[:3] == (24000, 1, 2)
-
-
-def test_streamed_chat_carries_the_audio_on_its_last_chunk(omni):
-    reply = omni.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Say something"}], "max_tokens": 6, "temperature": 0,
-        "stream": True, "modalities": ["text", "audio"]})
-    chunks = [json.loads(line[len("data: "):]) for line in reply.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    with_audio = [d for d in deltas if "audio" in d]
-    assert len(with_audio) == 1 and with_audio[0] is deltas[-1]
-    assert with_audio[0]["audio"]["transcript"] == "".join(d.get("content", "") for d in deltas)
-    assert frames(base64.b64decode(with_audio[0]["audio"]["data"]))[0] == 24000
-
-
-def test_under_the_flag_text_is_served_and_speech_refused(omni_ifb):
-    client = oai(omni_ifb)
-    text = client.chat.completions.create(model="speechy", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=4, temperature=0)
-    assert text.usage.completion_tokens == 4
-    with pytest.raises(openai.BadRequestError) as info:
-        client.audio.speech.create(model="speechy", voice="alloy", input="hello")
-    assert "--enable-in-flight-batching" in info.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="speechy", messages=[{"role": "user", "content": "hi"}],
-                                       modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
-    assert "generateAudio" in info.value.body["message"] and "blocking path" in info.value.body["message"]
-    assert "--enable-in-flight-batching" in info.value.body["message"]
-    models = omni_ifb.get("/v1/models").json()["data"][0]["capabilities"]
-    assert "audio.speech" not in models["endpoints"] and "chat.completions" in models["endpoints"]
-    assert models["request_options"]["generate_audio"] == "rejected"
-
-
-def test_tts_has_no_text_endpoints(tts):
-    assert endpoints(tts) == ["audio.speech"]
-    reply = tts.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert reply.status_code == 404
-
-
-def test_routes_are_added_for_speech_deployments_only():
-    text = SimpleNamespace(deployment=SimpleNamespace(kind=SimpleNamespace(plugin="text")))
-    assert speech_plugin.ifb_http_routes(app_state=text) == []
-    omni = SimpleNamespace(deployment=SimpleNamespace(kind=SimpleNamespace(plugin="speech")))
-    assert [r.path for r in speech_plugin.ifb_http_routes(app_state=omni)] == ["/v1/audio/speech"]
+def test_models_lists_the_speech_endpoint_and_chat_is_not_served(client):
+    assert client.get("/v1/models").status_code == 200
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 404

@@ -1,0 +1,203 @@
+"""The Qwen3-Omni runtime: the Thinker served by the engine, and on the blocking path the Talker and Code2Wav.
+
+The Thinker's text decoder (``thinker.model.*``, ``thinker.lm_head``) is the
+shared ``TextModel`` with ``moe.SparseMoE`` layers: for text prompts its M-RoPE
+positions are sequential, where M-RoPE is RoPE. Its audio and vision encoders
+are not built, so media input is refused per request. Under in-flight
+batching the Talker and Code2Wav are not loaded (their weights never read):
+the deployment is text-only.
+
+On the blocking path a request with ``generate_audio`` is spoken: the Thinker
+answers (chat) or is given the text to say as its reply (``speak_input``, what
+``/v1/audio/speech`` asks), its embeddings and hidden states of the whole
+conversation are taken in one pass, the Talker makes the codec frames and
+Code2Wav the waveform (decoded whole: its transposed convolutions look a frame
+ahead, so it is not streamed by pieces).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import attrs
+import torch
+
+from ifb.blocking import drive_alone
+from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.options import has_media
+from ifb.outputs import RequestOutput
+from ifb.params import InvalidRequest, RequestSpec
+from ifb.request import Request
+from ifb.runtime import Prepared
+from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.loader import LoadedCheckpoint, build_model
+from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.model import rope_table
+from ifb_plugins.common.moe import fuse_expert_state
+from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
+from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.speech import audio
+from ifb_plugins.speech.omni import load_code2wav, read_omni_config
+from ifb_plugins.speech.omni_talker import OmniTalker, ThinkerStates, load_talker
+from ifb_plugins.speech.tts_model import Sampling
+from ifb_plugins.speech.weights import load_prefixed
+
+#: the reference's talker and code-predictor sampling (Qwen3OmniMoeForConditionalGeneration.generate)
+TALKER_SAMPLING = Sampling(True, top_k=50, top_p=1.0, temperature=0.9)
+PREDICTOR_SAMPLING = Sampling(True, top_k=50, top_p=0.8, temperature=1.0)
+REPETITION_PENALTY = 1.05
+MAX_FRAMES = 4096
+
+
+@attrs.frozen
+class OmniSpeech:
+    speaker: str
+    format: str
+    speed: float
+    speak_input: bool
+    greedy: bool
+    max_frames: int
+
+
+def thinker_config(raw: dict[str, Any]) -> TextModelConfig:
+    text = dict(raw["thinker_config"]["text_config"])
+    text["model_type"] = "qwen3_moe"  # the Thinker's text decoder is a Qwen3-MoE decoder
+    return TextModelConfig.from_hf_config(text)
+
+
+def load_thinker(path: Path, raw: dict[str, Any]):
+    state = {k: v for k, v in load_prefixed(path, "thinker.").items() if k.startswith(("model.", "lm_head."))}
+    return build_model(LoadedCheckpoint(thinker_config(raw), fuse_expert_state(state), None, "hf", path))
+
+
+class OmniRuntime(TextRuntime):
+    """The Thinker as a text runtime, plus the Talker and Code2Wav (None under in-flight batching)."""
+
+    def __init__(self, *, raw_config: dict[str, Any], talker: OmniTalker | None, special_embeds: torch.Tensor | None,
+                 code2wav: Any, **text_runtime: Any):
+        super().__init__(**text_runtime)
+        self.raw_config = raw_config
+        self.talker = talker
+        self.special_embeds = special_embeds
+        self.code2wav = code2wav
+        talker_cfg = raw_config["talker_config"]
+        self.voices = tuple(k.lower() for k in (talker_cfg.get("speaker_id") or {}))
+        self.accept_hidden_layer = int(talker_cfg["accept_hidden_layer"])
+        self.im_end_id = int(raw_config["im_end_token_id"])
+        #: the most codec frames one reply is spoken in (80 ms each); the reference's default is 4096
+        self.max_audio_frames = int(text_runtime["config"].options.get("max_audio_frames") or MAX_FRAMES)
+
+    def num_parameters(self) -> dict[str, int]:
+        count = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
+        return {"thinker": count(self.model), "talker": count(self.talker), "code2wav": count(self.code2wav)}
+
+    def speech_request(self, spec: RequestSpec) -> OmniSpeech:
+        if self.talker is None:
+            # the engine rejects generate_audio under the flag before this
+            raise InvalidRequest("the Talker and Code2Wav are not loaded (--enable-in-flight-batching)")
+        if spec.params.n != 1:
+            raise InvalidRequest("audio output is made for one sequence per request: n must be 1")
+        raw = spec.extras.get("audio") or {}
+        voice = (raw.get("voice") or self.voices[0]).lower()
+        if voice not in self.voices:
+            raise InvalidRequest(f"unknown voice {raw.get('voice')!r}; this model's voices: {', '.join(self.voices)}")
+        if raw.get("instructions") or raw.get("language"):
+            raise InvalidRequest("Qwen3-Omni takes no instructions or language for its speech")
+        return OmniSpeech(voice, audio.check_format(raw.get("format") or "wav"), audio.check_speed(raw.get("speed")),
+                          bool(spec.extras.get("speak_input")), spec.params.temperature == 0,
+                          min(int(raw.get("max_frames") or self.max_audio_frames), self.max_audio_frames))
+
+    def prepare(self, spec: RequestSpec) -> Prepared:
+        if has_media(spec):
+            raise InvalidRequest("audio and image input to Qwen3-Omni is not built yet (its encoders are not loaded)")
+        if not spec.extras.get("generate_audio"):
+            return super().prepare(spec)
+        req = self.speech_request(spec)
+        if req.speak_input:
+            if not spec.prompt or not spec.prompt.strip():
+                raise InvalidRequest("the text to speak is empty")
+            return Prepared(tuple(self.tokenizer.encode(f"<|im_start|>assistant\n{spec.prompt}<|im_end|>",
+                                                        add_special_tokens=False)))
+        return super().prepare(spec)
+
+    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
+        if not spec.extras.get("generate_audio"):
+            yield from super().handle_request(spec, request)
+            return
+        req = self.speech_request(spec)
+        prompt = list(request.prompt_token_ids)
+        if req.speak_input:  # the text is the reply: the conversation is the assistant turn alone
+            sequence, prompt, text, last = prompt, prompt[:3], spec.prompt or "", None
+        else:
+            texts, ids, last = [], [], None
+            for out in drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts):
+                texts.append(out.text)
+                ids.extend(out.token_ids)
+                last = out
+                if not out.finished:
+                    yield out
+            if last is None or last.finish_reason not in ("stop", "length"):
+                if last is not None:
+                    yield last
+                return
+            sequence, text = prompt + ids, "".join(texts)
+        states = self.thinker_states(prompt, sequence)
+        sampling = Sampling(False) if req.greedy else TALKER_SAMPLING
+        sub = Sampling(False) if req.greedy else PREDICTOR_SAMPLING
+        frames = list(self.talker.generate(states, req.speaker, max_new_tokens=req.max_frames, sampling=sampling,
+                                           sub_sampling=sub, repetition_penalty=REPETITION_PENALTY,
+                                           thinker_eos_ids=(self.im_end_id,), seed=spec.params.seed))
+        wav = self.code2wav.chunked_decode(torch.stack(frames).T[None], speed=req.speed)[0, 0] if frames \
+            else torch.zeros(0)
+        data = audio.encode(wav.float().numpy(), req.format, 24000)
+        extras = {"speech": {"format": req.format, "data": data, "sample_rate": 24000, "voice": req.speaker,
+                             "num_frames": len(frames), "num_samples": int(wav.shape[0]), "streamed": False},
+                  "audio": audio.chat_audio(data, text)}
+        if req.speak_input:
+            if (spec.extras.get("audio") or {}).get("stream"):  # one piece: Code2Wav is decoded whole
+                yield RequestOutput(request_id=request.request_id, text="", token_ids=(), extras={"audio_chunk": data})
+                extras["speech"] = {**extras["speech"], "data": b"", "streamed": True}
+            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
+                                finish_reason="stop", num_prompt_tokens=len(prompt),
+                                num_output_tokens=len(frames), extras=extras)
+            return
+        yield attrs.evolve(last, extras={**last.extras, **extras})
+
+    @torch.inference_mode()
+    def thinker_states(self, prompt_ids: Sequence[int], sequence_ids: Sequence[int]) -> ThinkerStates:
+        """The Thinker's input embeddings and hidden states at the Talker's layer, for all but the last token."""
+        ids = list(sequence_ids[:-1])
+        cfg = self.model.config
+        blocks = self._blocking_blocks
+        block_ids = blocks.allocate(blocks.blocks_for(len(ids)))
+        try:
+            attn = build_attn_metadata([(0, len(ids), block_ids)], KV_BLOCK_SIZE, self.device)
+            cs = rope_table(cfg, self.model.inv_freq, len(ids))
+            cos, sin = cs[:, 0:1], cs[:, 1:2]
+            embeds = x = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+            for layer, kv in zip(self.model.model.layers[:self.accept_hidden_layer], self.kv_caches):
+                x = layer(x, cos, sin, attn, kv)
+        finally:
+            blocks.free(block_ids)
+        return ThinkerStates(tuple(prompt_ids), tuple(sequence_ids), embeds, x, self.special_embeds)
+
+
+def load_omni_runtime(config: DeployConfig, caps: DeploymentCaps) -> OmniRuntime:
+    """The Thinker always; the Talker and Code2Wav only on the blocking path (never read under the flag)."""
+    path = Path(config.model)
+    raw = read_omni_config(path)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path} has no tokenizer.json")
+    thinker = load_thinker(path, raw)
+    tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=(int(raw["im_end_token_id"]),))
+    talker = special = code2wav = None
+    if not config.enable_in_flight_batching:
+        talker, special = load_talker(path)
+        code2wav = load_code2wav(path)
+    return OmniRuntime(raw_config=raw, talker=talker, special_embeds=special, code2wav=code2wav, model=thinker,
+                       tokenizer=tokenizer, caps=caps, config=config,
+                       model_name=config.options.get("served_model_name") or path.name,
+                       lora=LoraSet(thinker, dict(config.options.get("lora_adapters") or {})))
+
