@@ -1,7 +1,7 @@
 """The blocking path: one request at a time.
 
 A runtime that adds something of its own to the blocking path (LoRA, a
-captured system prompt, speech) serves a request through its
+captured system prompt, audio output) serves a request through its
 ``handle_request``; a stepped runtime without one is driven here directly,
 alone, through ``execute`` (``drive_alone``), with no round trip through the
 plugin.

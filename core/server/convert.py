@@ -226,7 +226,7 @@ def _content(content: Any, index: int, takes_media: bool = True) -> Any:
             raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
         if field != "text" and not takes_media:
             raise ApiError(400, f"this model reads text only, and {where} is an {part.type} part; serve a "
-                                "vision or audio model (--plugin vlm) to send media",
+                                "vision or audio model (see `ifb matrix`) to send media",
                            param=where, code="unsupported_content")
         parts.append({"type": part.type, field: converter.unstructure(getattr(part, field))})
     if all(p["type"] == "text" for p in parts):

@@ -25,12 +25,12 @@ import torch
 
 from ifb.blocking import drive_alone
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb.options import has_media
 from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared
 from ifb_plugins.common.attention import build_attn_metadata
+from ifb_plugins.common.caps import has_media
 from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.common.loader import LoadedCheckpoint, build_model
 from ifb_plugins.common.lora import LoraSet
