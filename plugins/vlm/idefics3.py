@@ -38,7 +38,7 @@ from ifb_plugins.vlm.checkpoint import (
     special_token_id, split_state,
 )
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.vlm.media import MediaItem
+from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.vision import VisionConfig, VisionTower
 
 FAKE_TOKEN, IMAGE_TOKEN, GLOBAL_TOKEN = "<fake_token_around_image>", "<image>", "<global-img>"

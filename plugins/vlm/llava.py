@@ -29,7 +29,7 @@ from ifb_plugins.vlm.checkpoint import (
 )
 from ifb_plugins.vlm.image_ops import CLIP_DEFAULTS, IMAGE_PROCESSOR_DEFAULTS, SIGLIP_DEFAULTS, ImageProcessing
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.vlm.media import MediaItem
+from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.vision import VisionConfig, VisionTower, activation
 
 log = logging.getLogger("ifb.vlm")

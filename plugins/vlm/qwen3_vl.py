@@ -36,7 +36,7 @@ from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.vlm.media import MediaItem
+from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.qwen2_5_vl import image_processing, split_state
 from ifb_plugins.vlm.qwen2_5_vl_image import QwenVLImageProcessing
 from ifb_plugins.vlm.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
