@@ -46,10 +46,8 @@ def speaking(omni_reference_model):
     deployment.shutdown()
 
 
-def thinker_text_parameters(model) -> int:
-    """The reference Thinker's text decoder and head (its audio and vision towers are not built here)."""
-    return sum(t.numel() for name, t in model.thinker.state_dict().items()
-               if name.startswith(("model.language_model.", "lm_head.")))
+def thinker_parameters(model, *parts: str) -> int:
+    return sum(t.numel() for name, t in model.thinker.state_dict().items() if name.startswith(parts))
 
 
 def test_thinker_tokens_equal_the_reference_under_in_flight_batching(omni_reference_model, text_only):
@@ -67,8 +65,10 @@ def test_thinker_tokens_equal_the_reference_under_in_flight_batching(omni_refere
 def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_reference_model, text_only):
     _, model = omni_reference_model
     deployment, client = text_only
-    assert deployment.runtime.num_parameters() == {"thinker": thinker_text_parameters(model), "talker": 0,
-                                                   "code2wav": 0}
+    # the Thinker's text decoder and audio encoder (its vision encoder is not built)
+    assert deployment.runtime.num_parameters() == {
+        "thinker": thinker_parameters(model, "model.language_model.", "lm_head."),
+        "audio_encoder": thinker_parameters(model, "model.audio_tower."), "talker": 0, "code2wav": 0}
     with pytest.raises(RequestRejected, match="blocking path"):
         deployment.engine.submit(RequestSpec(prompt_token_ids=tuple(PROMPT), extras={"generate_audio": True}))
     response = client.post("/v1/audio/speech", json={"input": "Hello there", "voice": "ethan"})
@@ -81,7 +81,7 @@ def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_re
     image = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
-    assert image.status_code == 400 and "Text input only" in image.json()["error"]["message"]
+    assert image.status_code == 400 and "vision encoder is not loaded" in image.json()["error"]["message"]
 
 
 def test_spoken_reply_equals_the_reference_end_to_end(omni_reference_model, speaking):
