@@ -169,3 +169,18 @@ def test_bad_audio_requests_are_400s(llm):
         {"type": "input_audio", "input_audio": {"data": "bm90IGEgd2F2", "format": "wav"}}]},), params=GREEDY)
     with pytest.raises(InvalidRequest, match="not a PCM WAV file"):
         runtime.prepare(bad)
+
+
+def test_chat_route_serves_audio_input(llm):
+    from starlette.testclient import TestClient
+
+    from ifb.server.app import build_app
+
+    spec = audio_chat(1, 0.3)
+    expected = llm.engine.submit(spec, wait=True).result().text
+    with TestClient(build_app(llm.deployment, model_name="omni"), base_url="http://localhost") as client:
+        chat = client.post("/v1/chat/completions", json={"messages": list(spec.messages), "max_tokens": 6,
+                                                         "temperature": 0, "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == expected
+    assert chat.json()["usage"]["prompt_tokens"] == len(llm.deployment.runtime.prepare(spec).prompt_token_ids)
