@@ -38,8 +38,8 @@ from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, 
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
 from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.qwen2_5_vl import image_processing, split_state
-from ifb_plugins.vlm.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.vlm.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
+from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
 
