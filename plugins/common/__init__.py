@@ -26,7 +26,8 @@ and the names without a leading underscore of the modules in ``PUBLIC_MODULES``:
   (``log_mel_features``, ``resample_linear``);
 - ``vision``, ``qwen2_5_vl_vision``, ``qwen3_vl_vision``: vision towers (CLIP / SigLIP, Qwen2.5-VL's,
   Qwen3-VL's, which Qwen3-Omni's Thinker shares) and ``image_ops``, ``qwen2_5_vl_image``: their image
-  preprocessing (Qwen2-VL's smart resize and patches);
+  preprocessing (Qwen2-VL's smart resize and patches); ``deepstack``: the decoder that adds
+  Qwen3-VL's DeepStack features after its first layers;
 - ``mrope``: M-RoPE (Qwen2-VL / Qwen3-VL): per-token ``[3, T]`` positions for media prompts and the
   sectioned rotary;
 - ``moe``: sparse mixture-of-experts layers (``SparseMoE``: router, routed experts, Qwen2-MoE's
@@ -50,7 +51,7 @@ from typing import Any
 PUBLIC_MODULES = (
     "caps", "runtime", "sampling", "tokenizer", "prompt", "config", "loader", "hf_loader", "gguf_loader",
     "model", "attention", "media", "mel", "vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "image_ops",
-    "qwen2_5_vl_image", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
+    "qwen2_5_vl_image", "deepstack", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
     "guided", "syscache", "testing", "testing_moe",
 )
 
