@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -86,6 +87,14 @@ def feature_extractor():
     return WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, n_fft=400)
 
 
+def image_processor():
+    """The processor's Qwen2-VL image processor, cutting the tiny vision encoder's 4-pixel patches."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32})
+
+
 def liven(module: torch.nn.Module, seed: int) -> None:
     """Give the near-identity parameters (layer scales, SnakeBeta, ConvNeXt gamma) random values.
 
@@ -124,5 +133,7 @@ def save_tiny_omni(path: Path, seed: int = 0):
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    feature_extractor().save_pretrained(path)
+    # one preprocessor_config.json holds both, as in Qwen's published Omni checkpoints
+    merged = {**feature_extractor().to_dict(), **image_processor().to_dict()}
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, default=str))
     return model

@@ -65,10 +65,11 @@ def test_thinker_tokens_equal_the_reference_under_in_flight_batching(omni_refere
 def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_reference_model, text_only):
     _, model = omni_reference_model
     deployment, client = text_only
-    # the Thinker's text decoder and audio encoder (its vision encoder is not built)
+    # the Thinker: its text decoder, audio encoder and vision encoder
     assert deployment.runtime.num_parameters() == {
         "thinker": thinker_parameters(model, "model.language_model.", "lm_head."),
-        "audio_encoder": thinker_parameters(model, "model.audio_tower."), "talker": 0, "code2wav": 0}
+        "audio_encoder": thinker_parameters(model, "model.audio_tower."),
+        "vision_encoder": thinker_parameters(model, "model.visual."), "talker": 0, "code2wav": 0}
     with pytest.raises(RequestRejected, match="blocking path"):
         deployment.engine.submit(RequestSpec(prompt_token_ids=tuple(PROMPT), extras={"generate_audio": True}))
     response = client.post("/v1/audio/speech", json={"input": "Hello there", "voice": "ethan"})
@@ -81,7 +82,7 @@ def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_re
     image = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
-    assert image.status_code == 400 and "vision encoder is not loaded" in image.json()["error"]["message"]
+    assert image.status_code == 400 and "not an image Pillow can read" in image.json()["error"]["message"]
 
 
 def test_spoken_reply_equals_the_reference_end_to_end(omni_reference_model, speaking):

@@ -152,18 +152,18 @@ def test_audio_requests_join_a_running_batch_with_their_output_alone(llm):
     assert heard.abs().max().item() > 1e-3
 
 
-def test_bad_audio_requests_are_400s(llm):
+def test_bad_media_requests_are_400s(llm):
     runtime = llm.deployment.runtime
     image = RequestSpec(messages=({"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},), params=GREEDY)
-    with pytest.raises(InvalidRequest, match="vision encoder is not loaded"):
+    with pytest.raises(InvalidRequest, match="not an image Pillow can read"):
         runtime.prepare(image)
     stray = RequestSpec(messages=({"role": "user", "content": [
         {"type": "text", "text": "<|audio_pad|>"}, audio_chat(1, 0.3).messages[0]["content"][0]]},), params=GREEDY)
-    with pytest.raises(InvalidRequest, match="2 audio placeholders for 1 audio parts"):
+    with pytest.raises(InvalidRequest, match="2 media placeholders for 1 media parts"):
         runtime.prepare(stray)
     spoken = audio_chat(1, 0.3)
-    with pytest.raises(InvalidRequest, match="speech output for a prompt with audio input"):
+    with pytest.raises(InvalidRequest, match="speech output for a prompt with audio or image input"):
         runtime.prepare(RequestSpec(messages=spoken.messages, params=GREEDY, extras={"generate_audio": True}))
     bad = RequestSpec(messages=({"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "bm90IGEgd2F2", "format": "wav"}}]},), params=GREEDY)
