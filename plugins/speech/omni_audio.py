@@ -150,7 +150,7 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
 
 
 class AudioEncoder(nn.Module):
-    """``Qwen3OmniMoeAudioEncoder``: features ``[M, F]`` of one clip -> embeddings ``[num_audio_tokens, output_dim]``."""
+    """``Qwen3OmniMoeAudioEncoder``: features ``[M, F]`` of one clip -> embeddings ``[num_tokens, output_dim]``."""
 
     def __init__(self, cfg: AudioEncoderConfig):
         super().__init__()

@@ -127,3 +127,14 @@ def test_generate_audio_says_the_text_on_an_omni_deployment(speaking):
     wav = generate_audio(speaking[0], "Hello there", "chelsie", format="wav", seed=3)
     samples, rate = soundfile.read(io.BytesIO(wav))
     assert rate == 24000 and samples.size > 0
+
+
+def test_media_input_is_served_on_the_blocking_path_too(text_only, speaking):
+    from .test_omni_audio import audio_chat
+    from .test_omni_image import SIZES, image_chat
+
+    clip = audio_chat(1, 0.3).messages[0]["content"][0]
+    spec = image_chat(2, SIZES[0], audio=clip)
+    batched = text_only[0].engine.submit(spec, wait=True).result()
+    alone = speaking[0].engine.submit(spec, wait=True).result()
+    assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 6

@@ -42,7 +42,8 @@ def png(seed: int, size: tuple[int, int]) -> bytes:
 
 
 def image_part(seed: int, size: tuple[int, int]) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(seed, size)).decode()}}
+    url = "data:image/png;base64," + base64.b64encode(png(seed, size)).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def image_chat(seed: int, size: tuple[int, int], text: str = "Say hi.", params=GREEDY, audio=None) -> RequestSpec:
