@@ -22,6 +22,13 @@ and the names without a leading underscore of the modules in ``PUBLIC_MODULES``:
   safetensors directories and GGUF files into a ``TextModel``;
 - ``model`` and ``attention``: the Llama-family decoder (``TextModel``, ``RMSNorm``, RoPE) over a
   paged KV cache (``AttnMetadata``, ``build_attn_metadata``, ``write_kv``);
+- ``media`` and ``mel``: OpenAI-style image / audio content parts (parsing, inline or local
+  fetching, decoding: ``parse_messages``, ``MediaItem``) and Whisper's log-mel features in numpy
+  (``log_mel_features``, ``resample_linear``);
+- ``vision``, ``qwen2_5_vl_vision``, ``qwen3_vl_vision``: vision towers (CLIP / SigLIP, Qwen2.5-VL's,
+  Qwen3-VL's, which Qwen3-Omni's Thinker shares) and ``image_ops``, ``qwen2_5_vl_image``: their image
+  preprocessing (Qwen2-VL's smart resize and patches); ``deepstack``: the decoder that adds
+  Qwen3-VL's DeepStack features after its first layers;
 - ``mrope``: M-RoPE (Qwen2-VL / Qwen3-VL): per-token ``[3, T]`` positions for media prompts and the
   sectioned rotary;
 - ``moe``: sparse mixture-of-experts layers (``SparseMoE``: router, routed experts, Qwen2-MoE's
@@ -44,7 +51,8 @@ from typing import Any
 #: the modules whose public names (no leading underscore) a plugin may import
 PUBLIC_MODULES = (
     "caps", "runtime", "sampling", "tokenizer", "prompt", "config", "loader", "hf_loader", "gguf_loader",
-    "model", "attention", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
+    "model", "attention", "media", "mel", "vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "image_ops",
+    "qwen2_5_vl_image", "deepstack", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
     "guided", "syscache", "testing", "testing_moe",
 )
 

@@ -7,8 +7,9 @@
   it serves ``/v1/audio/speech``.
 - ``omni`` (title "Speech output, Omni bundle"): declared as the spec has it
   (text-only under the flag: the Thinker served, speech refused per request).
-  Of a Qwen3-Omni checkpoint only the Code2Wav decoder is built so far, so
-  loading one is refused with that reason (``ifb_plugins.speech.omni``).
+  The Thinker (its text decoder, audio and vision encoders: text, audio and
+  image input) is served by the engine; on the default path the Talker and
+  Code2Wav speak.
 
 Python: ``generate_audio(llm, text, voice=None, ...) -> bytes`` (the audio file).
 See docs/plugins/speech.md.
@@ -41,6 +42,9 @@ TTS_NOTE = ("no request engine exists for a TTS-only runtime: the Talker and cod
 def omni_options() -> dict[str, OptionSupport]:
     """The Thinker's text options, with speech output rejected under in-flight batching."""
     options = text_options()
+    options["media_under_pruner"] = OptionSupport(
+        Support.SERVED, reason="No visual-token pruner is built for Qwen3-Omni: its audio and vision encoders "
+                               "run at admission and media requests join the running batch.")
     options["generate_audio"] = OptionSupport(
         Support.REJECTED,
         reason="Speech is assembled after the text is complete by the Talker and code-to-waveform engines, "
@@ -105,7 +109,7 @@ OMNI_KIND = DeploymentKind(
     settings=TEXT_RUNTIME_SETTINGS | {"max_audio_frames"},
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
-    description="Qwen3-Omni (Thinker + Talker + Code2Wav); loading is refused until its Thinker is built")
+    description="Qwen3-Omni (Thinker with audio and image input + Talker + Code2Wav)")
 TTS_KIND = DeploymentKind(
     name="tts", plugin="speech", title=TTS_TITLE, declare=declare_tts, load=load_tts,
     settings=frozenset({"served_model_name"}),

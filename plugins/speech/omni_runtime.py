@@ -1,9 +1,11 @@
 """The Qwen3-Omni runtime: the Thinker served by the engine, and on the blocking path the Talker and Code2Wav.
 
 The Thinker's text decoder (``thinker.model.*``, ``thinker.lm_head``) is the
-shared ``TextModel`` with ``moe.SparseMoE`` layers: for text prompts its M-RoPE
-positions are sequential, where M-RoPE is RoPE. Its audio and vision encoders
-are not built, so media input is refused per request. Under in-flight
+shared ``TextModel`` with ``moe.SparseMoE`` layers and DeepStack
+(``common.deepstack``), over M-RoPE positions (sequential for text and audio,
+where M-RoPE is RoPE; an image's from its grid). Its audio encoder
+(``omni_audio``) and vision encoder (``omni_vision``) run at admission
+(``omni_media``), so a media request joins a running batch. Under in-flight
 batching the Talker and Code2Wav are not loaded (their weights never read):
 the deployment is text-only.
 
@@ -28,18 +30,22 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
-from ifb.runtime import Prepared
+from ifb.runtime import Prepared, ScheduledStep
 from ifb_plugins.common.attention import build_attn_metadata
 from ifb_plugins.common.caps import has_media
 from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model
+from ifb_plugins.common.deepstack import build_text_model
 from ifb_plugins.common.lora import LoraSet
+from ifb_plugins.common.mrope import step_positions
 from ifb_plugins.common.model import rope_table
 from ifb_plugins.common.moe import fuse_expert_state
 from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
 from ifb_plugins.common.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
+from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder
+from ifb_plugins.speech.omni_media import MEDIA_POSITIONS, prepare_media, splice_embeddings
+from ifb_plugins.speech.omni_vision import OmniImageEncoder, load_image_encoder
 from ifb_plugins.speech.omni_talker import OmniTalker, ThinkerStates, load_talker
 from ifb_plugins.speech.tts_model import Sampling
 from ifb_plugins.speech.weights import load_prefixed
@@ -64,21 +70,34 @@ class OmniSpeech:
 def thinker_config(raw: dict[str, Any]) -> TextModelConfig:
     text = dict(raw["thinker_config"]["text_config"])
     text["model_type"] = "qwen3_moe"  # the Thinker's text decoder is a Qwen3-MoE decoder
-    return TextModelConfig.from_hf_config(text)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    config = TextModelConfig.from_hf_config(text)
+    section = rope.get("mrope_section")
+    # its rotary interleaves the three position rows over the frequencies (Qwen3-VL's), whatever the flag says
+    return attrs.evolve(config, mrope_section=tuple(int(n) for n in section), mrope_interleaved=True) \
+        if section else config
 
 
-def load_thinker(path: Path, raw: dict[str, Any]):
+def load_thinker(path: Path, raw: dict[str, Any], num_deepstack: int):
+    """The text decoder, adding ``num_deepstack`` DeepStack features after its first layers."""
     state = {k: v for k, v in load_prefixed(path, "thinker.").items() if k.startswith(("model.", "lm_head."))}
-    return build_model(LoadedCheckpoint(thinker_config(raw), fuse_expert_state(state), None, "hf", path))
+    return build_text_model(thinker_config(raw), num_deepstack, fuse_expert_state(state), torch.device("cpu"))
 
 
 class OmniRuntime(TextRuntime):
     """The Thinker as a text runtime, plus the Talker and Code2Wav (None under in-flight batching)."""
 
     def __init__(self, *, raw_config: dict[str, Any], talker: OmniTalker | None, special_embeds: torch.Tensor | None,
-                 code2wav: Any, **text_runtime: Any):
+                 code2wav: Any, audio_encoder: AudioEncoder, audio_features: FeatureConfig,
+                 image_encoder: OmniImageEncoder, **text_runtime: Any):
         super().__init__(**text_runtime)
         self.raw_config = raw_config
+        self.audio_encoder = audio_encoder.to(self.device)
+        self.audio_features = audio_features
+        self.image_encoder = image_encoder
+        image_encoder.tower.to(self.device)
+        self.audio_token_id = int(raw_config["thinker_config"]["audio_token_id"])
+        self.image_token_id = int(raw_config["thinker_config"]["image_token_id"])
         self.talker = talker
         self.special_embeds = special_embeds
         self.code2wav = code2wav
@@ -91,7 +110,9 @@ class OmniRuntime(TextRuntime):
 
     def num_parameters(self) -> dict[str, int]:
         count = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
-        return {"thinker": count(self.model), "talker": count(self.talker), "code2wav": count(self.code2wav)}
+        return {"thinker": count(self.model), "audio_encoder": count(self.audio_encoder),
+                "vision_encoder": count(self.image_encoder.tower), "talker": count(self.talker),
+                "code2wav": count(self.code2wav)}
 
     def speech_request(self, spec: RequestSpec) -> OmniSpeech:
         if self.talker is None:
@@ -111,7 +132,13 @@ class OmniRuntime(TextRuntime):
 
     def prepare(self, spec: RequestSpec) -> Prepared:
         if has_media(spec):
-            raise InvalidRequest("audio and image input to Qwen3-Omni is not built yet (its encoders are not loaded)")
+            if spec.extras.get("generate_audio"):
+                raise InvalidRequest("speech output for a prompt with audio or image input is not built (the "
+                                     "Talker's positions for media prompts): ask for text output")
+            if spec.extras.get("save_system_prompt_kv_cache"):
+                raise InvalidRequest("the system-prompt capture matches token ids alone: a prompt with audio or "
+                                     "image input cannot be captured")
+            return prepare_media(self, spec, super().prepare)
         if not spec.extras.get("generate_audio"):
             return super().prepare(spec)
         req = self.speech_request(spec)
@@ -121,6 +148,17 @@ class OmniRuntime(TextRuntime):
             return Prepared(tuple(self.tokenizer.encode(f"<|im_start|>assistant\n{spec.prompt}<|im_end|>",
                                                         add_special_tokens=False)))
         return super().prepare(spec)
+
+    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+        """M-RoPE ids ``[3, T]``: an image prompt's from its grid, every other sequence's its token indices."""
+        if self.model.config.mrope_section is None:
+            return super().step_positions(step)
+        spans = [(s.extras.get(MEDIA_POSITIONS), s.start_pos, len(s.token_ids)) for s in step.seqs]
+        return step_positions(spans).to(self.device)
+
+    def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The step's token embeddings with its audio and image rows spliced in (None for text alone)."""
+        return splice_embeddings(step, input_ids, self.model.model.embed_tokens)
 
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
         if not spec.extras.get("generate_audio"):
@@ -176,7 +214,7 @@ class OmniRuntime(TextRuntime):
             attn = build_attn_metadata([(0, len(ids), block_ids)], KV_BLOCK_SIZE, self.device)
             cs = rope_table(cfg, self.model.inv_freq, len(ids))
             cos, sin = cs[:, 0:1], cs[:, 1:2]
-            embeds = x = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+            embeds = x = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long))[:, :cfg.hidden_size]
             for layer, kv in zip(self.model.model.layers[:self.accept_hidden_layer], self.kv_caches):
                 x = layer(x, cos, sin, attn, kv)
         finally:
@@ -185,18 +223,23 @@ class OmniRuntime(TextRuntime):
 
 
 def load_omni_runtime(config: DeployConfig, caps: DeploymentCaps) -> OmniRuntime:
-    """The Thinker always; the Talker and Code2Wav only on the blocking path (never read under the flag)."""
+    """The Thinker and its audio encoder always; the Talker and Code2Wav only on the blocking path (never read
+    under the flag)."""
     path = Path(config.model)
     raw = read_omni_config(path)
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json")
-    thinker = load_thinker(path, raw)
+    image_encoder = load_image_encoder(path, raw)
+    thinker = load_thinker(path, raw, image_encoder.num_deepstack)
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=(int(raw["im_end_token_id"]),))
+    audio_encoder, audio_features = load_audio_encoder(path, raw)
     talker = special = code2wav = None
     if not config.enable_in_flight_batching:
         talker, special = load_talker(path)
         code2wav = load_code2wav(path)
-    return OmniRuntime(raw_config=raw, talker=talker, special_embeds=special, code2wav=code2wav, model=thinker,
+    return OmniRuntime(raw_config=raw, talker=talker, special_embeds=special, code2wav=code2wav,
+                       audio_encoder=audio_encoder, audio_features=audio_features, image_encoder=image_encoder,
+                       model=thinker,
                        tokenizer=tokenizer, caps=caps, config=config,
                        model_name=config.options.get("served_model_name") or path.name,
                        lora=LoraSet(thinker, dict(config.options.get("lora_adapters") or {})))

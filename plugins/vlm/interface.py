@@ -10,7 +10,7 @@ import torch
 
 from ifb_plugins.common.model import TextModel
 from ifb_plugins.common.tokenizer import TextTokenizer
-from ifb_plugins.vlm.media import MediaItem
+from ifb_plugins.common.media import MediaItem
 
 
 @attrs.frozen

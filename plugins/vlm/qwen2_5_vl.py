@@ -31,9 +31,9 @@ from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.vlm.media import MediaItem
-from ifb_plugins.vlm.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.vlm.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower
+from ifb_plugins.common.media import MediaItem
+from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 

@@ -26,7 +26,7 @@ from ifb_plugins.common.lora import LoraSet
 from ifb_plugins.common.mrope import prompt_positions, step_positions
 from ifb_plugins.common.runtime import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
-from ifb_plugins.vlm.media import MediaItem, parse_messages
+from ifb_plugins.common.media import MediaItem, parse_messages
 from ifb_plugins.vlm.pruning import prune
 
 #: ``Prepared.extras`` keys: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order; the KV salt (a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,7 +16,12 @@ TALKER_VOCAB = 32 + 1024
 OMNI_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>", "<|audio_pad|>",
                 "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|vision_start|>", "<|vision_end|>",
                 "<|audio_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+#: Qwen3-Omni's template, cut down: a string content, or text / audio / image parts (one placeholder each)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                 "{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+                 "{% if p['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+                 "{% elif p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+                 "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -50,7 +56,7 @@ def tiny_omni_config(tokenizer):
         thinker_config=dict(
             text_config=text,
             audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
-                              d_model=16, output_dim=32, downsample_hidden_size=8, n_window=4, n_window_infer=8),
+                              d_model=16, output_dim=32, downsample_hidden_size=8, n_window=50, n_window_infer=200),
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                                out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
             audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
@@ -72,6 +78,21 @@ def tiny_omni_config(tokenizer):
         tts_pad_token_id=ids["<|tts_pad|>"], tts_bos_token_id=ids["<|tts_bos|>"], tts_eos_token_id=ids["<|tts_eos|>"],
         im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"], system_token_id=word["system"],
         user_token_id=word["user"], assistant_token_id=word["assistant"])
+
+
+def feature_extractor():
+    """The processor's Whisper feature extractor, at the tiny audio encoder's 16 mel bins."""
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, n_fft=400)
+
+
+def image_processor():
+    """The processor's Qwen2-VL image processor, cutting the tiny vision encoder's 4-pixel patches."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32})
 
 
 def liven(module: torch.nn.Module, seed: int) -> None:
@@ -105,10 +126,14 @@ def save_tiny_omni(path: Path, seed: int = 0):
             if ".experts." in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     liven(model.code2wav, seed)
+    liven(model.thinker, seed)  # at the 0.02-std init an audio clip barely reaches the Thinker's logits
     with torch.no_grad():  # the Talker's init is near-uniform: spread it so greedy picks depend on every weight
         gen = torch.Generator().manual_seed(seed)
         for p in model.talker.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # one preprocessor_config.json holds both, as in Qwen's published Omni checkpoints
+    merged = {**feature_extractor().to_dict(), **image_processor().to_dict()}
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, default=str))
     return model

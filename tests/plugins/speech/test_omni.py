@@ -46,10 +46,8 @@ def speaking(omni_reference_model):
     deployment.shutdown()
 
 
-def thinker_text_parameters(model) -> int:
-    """The reference Thinker's text decoder and head (its audio and vision towers are not built here)."""
-    return sum(t.numel() for name, t in model.thinker.state_dict().items()
-               if name.startswith(("model.language_model.", "lm_head.")))
+def thinker_parameters(model, *parts: str) -> int:
+    return sum(t.numel() for name, t in model.thinker.state_dict().items() if name.startswith(parts))
 
 
 def test_thinker_tokens_equal_the_reference_under_in_flight_batching(omni_reference_model, text_only):
@@ -67,8 +65,11 @@ def test_thinker_tokens_equal_the_reference_under_in_flight_batching(omni_refere
 def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_reference_model, text_only):
     _, model = omni_reference_model
     deployment, client = text_only
-    assert deployment.runtime.num_parameters() == {"thinker": thinker_text_parameters(model), "talker": 0,
-                                                   "code2wav": 0}
+    # the Thinker: its text decoder, audio encoder and vision encoder
+    assert deployment.runtime.num_parameters() == {
+        "thinker": thinker_parameters(model, "model.language_model.", "lm_head."),
+        "audio_encoder": thinker_parameters(model, "model.audio_tower."),
+        "vision_encoder": thinker_parameters(model, "model.visual."), "talker": 0, "code2wav": 0}
     with pytest.raises(RequestRejected, match="blocking path"):
         deployment.engine.submit(RequestSpec(prompt_token_ids=tuple(PROMPT), extras={"generate_audio": True}))
     response = client.post("/v1/audio/speech", json={"input": "Hello there", "voice": "ethan"})
@@ -81,7 +82,7 @@ def test_under_the_flag_only_the_thinker_is_loaded_and_speech_is_refused(omni_re
     image = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
-    assert image.status_code == 400 and "reads text only" in image.json()["error"]["message"]
+    assert image.status_code == 400 and "not an image Pillow can read" in image.json()["error"]["message"]
 
 
 def test_spoken_reply_equals_the_reference_end_to_end(omni_reference_model, speaking):
@@ -126,3 +127,14 @@ def test_generate_audio_says_the_text_on_an_omni_deployment(speaking):
     wav = generate_audio(speaking[0], "Hello there", "chelsie", format="wav", seed=3)
     samples, rate = soundfile.read(io.BytesIO(wav))
     assert rate == 24000 and samples.size > 0
+
+
+def test_media_input_is_served_on_the_blocking_path_too(text_only, speaking):
+    from .test_omni_audio import audio_chat
+    from .test_omni_image import SIZES, image_chat
+
+    clip = audio_chat(1, 0.3).messages[0]["content"][0]
+    spec = image_chat(2, SIZES[0], audio=clip)
+    batched = text_only[0].engine.submit(spec, wait=True).result()
+    alone = speaking[0].engine.submit(spec, wait=True).result()
+    assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 6

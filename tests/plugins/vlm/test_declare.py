@@ -132,7 +132,7 @@ def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
 @pytest.mark.parametrize("model_type", ["clip_vision_model", "siglip_vision_model"])
 def test_vision_configs_get_the_reference_defaults(model_type):
     transformers = pytest.importorskip("transformers")
-    from ifb_plugins.vlm.vision import VisionConfig
+    from ifb_plugins.common.vision import VisionConfig
 
     reference = transformers.AutoConfig.for_model(model_type).to_dict()
     assert VisionConfig.from_hf({"model_type": model_type}) == VisionConfig.from_hf(reference)

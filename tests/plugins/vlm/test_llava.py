@@ -9,7 +9,7 @@ import transformers
 from ifb import LLM
 from ifb.params import RequestSpec
 from ifb_plugins.vlm.families import load_vlm
-from ifb_plugins.vlm.media import MediaItem
+from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.testing import png_bytes
 
 from tests.plugins.vlm import tiny

@@ -12,7 +12,7 @@ from transformers.masking_utils import create_bidirectional_mask
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest
 from ifb_plugins.vlm.families import load_vlm
-from ifb_plugins.vlm.media import MediaItem, decode_wav
+from ifb_plugins.common.media import MediaItem, decode_wav
 from ifb_plugins.vlm.testing import wav_bytes
 
 from tests.plugins.vlm import tiny

@@ -139,7 +139,7 @@ def decode_wav(raw: bytes, where: str, sampling_rate: int) -> np.ndarray:
     samples = samples[: len(samples) // channels * channels].reshape(-1, channels).mean(axis=1)
     if samples.size == 0:
         raise InvalidRequest(f"{where} holds no audio")
-    from ifb_plugins.vlm.mel import resample_linear
+    from ifb_plugins.common.mel import resample_linear
 
     return resample_linear(np.ascontiguousarray(samples, dtype=np.float32), rate, sampling_rate)
 

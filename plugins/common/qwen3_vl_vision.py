@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.vlm.qwen2_5_vl_vision import VisionAttention, patch_positions
-from ifb_plugins.vlm.vision import activation
+from ifb_plugins.common.qwen2_5_vl_vision import VisionAttention, patch_positions
+from ifb_plugins.common.vision import activation
 
 NORM_EPS = 1e-6
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ifb_plugins.common.model import RMSNorm
-from ifb_plugins.vlm.vision import activation
+from ifb_plugins.common.vision import activation
 
 #: the tower's RMSNorms, fixed in the reference implementation (not in the config)
 NORM_EPS = 1e-6

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 from PIL import Image
 
-from ifb_plugins.vlm.image_ops import normalize, rescale, resample_filter, resize, to_array, to_rgb
+from ifb_plugins.common.image_ops import normalize, rescale, resample_filter, resize, to_array, to_rgb
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD``, the processor's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
