@@ -97,9 +97,11 @@ class TextRuntime:
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
-        # The blocking path's own block bookkeeping persists so captured prefixes survive requests.
-        self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
-        self.system_prompts = SystemPromptCache(self._blocking_blocks, self)
+        #: the blocking path's block bookkeeping over ``kv_caches``: it persists so that captured system
+        #: prompts (``system_prompts``) survive requests; a subclass that runs its own forward on the
+        #: blocking path (the Omni Thinker's states) takes its blocks here
+        self.blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
+        self.system_prompts = SystemPromptCache(self.blocking_blocks, self)
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
         #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
         #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
@@ -168,7 +170,7 @@ class TextRuntime:
         if spec.extras.get("save_system_prompt_kv_cache"):
             self.system_prompts.capture(spec, request.prompt_token_ids)
         with self.lora.active(spec.extras.get("lora")):
-            yield from drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts)
+            yield from drive_alone(self, request, blocks=self.blocking_blocks, prefix=self.system_prompts)
 
     def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
         """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture)."""

@@ -132,7 +132,7 @@ class OmniRuntime(TextRuntime):
             sequence, prompt, text, last = prompt, prompt[:3], spec.prompt or "", None
         else:
             texts, ids, last = [], [], None
-            for out in drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts):
+            for out in drive_alone(self, request, blocks=self.blocking_blocks, prefix=self.system_prompts):
                 texts.append(out.text)
                 ids.extend(out.token_ids)
                 last = out
@@ -170,7 +170,7 @@ class OmniRuntime(TextRuntime):
         """The Thinker's input embeddings and hidden states at the Talker's layer, for all but the last token."""
         ids = list(sequence_ids[:-1])
         cfg = self.model.config
-        blocks = self._blocking_blocks
+        blocks = self.blocking_blocks
         block_ids = blocks.allocate(blocks.blocks_for(len(ids)))
         try:
             attn = build_attn_metadata([(0, len(ids), block_ids)], KV_BLOCK_SIZE, self.device)

@@ -159,6 +159,6 @@ class VlmRuntime(TextRuntime):
             # A captured prefix is matched by token ids alone; one holding media placeholders
             # would hand this image's KV to a later request with another image. Serve it uncaptured.
             with self.lora.active(spec.extras.get("lora")):
-                yield from drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts)
+                yield from drive_alone(self, request, blocks=self.blocking_blocks, prefix=self.system_prompts)
             return
         yield from super().handle_request(spec, request)
