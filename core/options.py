@@ -17,6 +17,18 @@ def _extra(name: str):
     return lambda spec: bool(spec.extras.get(name))
 
 
+def has_media(spec: RequestSpec) -> bool:
+    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
+    if spec.extras.get("media"):
+        return True
+    for message in spec.messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, (list, tuple)) and any(
+                not isinstance(part, dict) or part.get("type") != "text" for part in content):
+            return True
+    return False
+
+
 def _is_guided(spec: RequestSpec) -> bool:
     fmt = spec.extras.get("response_format")
     return fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text")

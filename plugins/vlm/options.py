@@ -11,19 +11,7 @@ import click
 
 from ifb import hookimpl
 from ifb.capabilities import DeploySetting, OptionSupport, RequestOption, Support
-from ifb.params import RequestSpec
-
-
-def has_media(spec: RequestSpec) -> bool:
-    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
-    if spec.extras.get("media"):
-        return True
-    for message in spec.messages or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, (list, tuple)) and any(
-                not isinstance(part, dict) or part.get("type") != "text" for part in content):
-            return True
-    return False
+from ifb.options import has_media
 
 
 MEDIA_UNDER_PRUNER = RequestOption(
