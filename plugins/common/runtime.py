@@ -1,20 +1,21 @@
 """The text runtime: the model driven one scheduled step at a time.
 
 ``execute`` packs a step's ragged prefill chunks and decode tokens into one
-forward over the paged KV cache, then samples per sequence. The blocking path
-(``handle_request``) adds what in-flight batching rejects: n > 1, per-request
-LoRA adapters and the legacy system-prompt KV capture.
+forward over the paged KV cache, then samples per sequence. On the blocking
+path (``plan_alone``) it adds what in-flight batching rejects: per-request
+LoRA adapters and the legacy system-prompt KV capture (n > 1 the blocking
+engine serves itself).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import torch
 
-from ifb.blocking import drive_alone
+from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.kv import BlockManager
 from ifb.params import InvalidRequest, RequestSpec
@@ -166,11 +167,19 @@ class TextRuntime:
         self.guided.release(request_id)
 
     # ---- blocking path ----
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        if spec.extras.get("save_system_prompt_kv_cache"):
-            self.system_prompts.capture(spec, request.prompt_token_ids)
-        with self.lora.active(spec.extras.get("lora")):
-            yield from drive_alone(self, request, blocks=self.blocking_blocks, prefix=self.system_prompts)
+    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
+        """The blocking path's plan: the persistent pool and its captured system prompts, the LoRA adapter active.
+
+        With ``save_system_prompt_kv_cache`` (and ``capture_system_prompt``) the
+        request's system prompt is captured first, with the base weights, for
+        later requests to reuse. A subclass whose prompts cannot be matched by
+        token ids alone passes ``capture_system_prompt=False``.
+        """
+        extras = request.spec.extras
+        if capture_system_prompt and extras.get("save_system_prompt_kv_cache"):
+            self.system_prompts.capture(request.spec, request.prompt_token_ids)
+        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
+                         context=self.lora.active(extras.get("lora")))
 
     def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
         """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture)."""

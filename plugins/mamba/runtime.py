@@ -14,20 +14,21 @@ are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
 A request preempted for lack of KV blocks is released like any other; when it
 is seated again (perhaps in another seat, reset first) its prompt and generated
 tokens are prefilled from position 0, so its state is recomputed, not saved.
+
+The blocking engine drives it alone through ``execute`` (nothing to add, so no
+``plan_alone``): a request's sequences take seats 0..n-1 of the same state
+tensors, free because only one engine drives a runtime.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 
-from ifb.blocking import drive_alone
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep, StepOutput
 from ifb_plugins.mamba.checkpoints import DEFAULT_CHECKPOINT_INTERVAL, StateCheckpoints, plan_capacity
 from ifb_plugins.mamba.layout import build_layout
@@ -110,12 +111,6 @@ class HybridRuntime:
     def seat_state(self, seat: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of a seat's conv and SSM state, one per Mamba layer (for inspection)."""
         return ([t[seat].clone() for t in self.cache.conv], [t[seat].clone() for t in self.cache.ssm])
-
-    # ---- blocking path ----
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        # drive_alone seats the request's sequences on seats 0..n-1 of the same state tensors;
-        # only one path drives a runtime, so they are free.
-        yield from drive_alone(self, request)
 
 
 def load_hybrid_runtime(config: DeployConfig, caps: DeploymentCaps) -> HybridRuntime:

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import attrs
 import torch
 
-from ifb.blocking import drive_alone
+from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.options import has_media
 from ifb.outputs import RequestOutput
@@ -122,17 +122,23 @@ class OmniRuntime(TextRuntime):
                                                         add_special_tokens=False)))
         return super().prepare(spec)
 
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        if not spec.extras.get("generate_audio"):
-            yield from super().handle_request(spec, request)
-            return
+    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
+        """A spoken request: the Thinker's answer (none with ``speak_input``) made into speech by ``speak``."""
+        if not request.spec.extras.get("generate_audio"):
+            return super().plan_alone(request, capture_system_prompt=capture_system_prompt)
+        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
+                         finish=lambda outputs: self.speak(request, outputs))
+
+    def speak(self, request: Request, outputs: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+        """The Thinker's ``outputs`` streamed, the last one with the speech of the answer added."""
+        spec = request.spec
         req = self.speech_request(spec)
         prompt = list(request.prompt_token_ids)
         if req.speak_input:  # the text is the reply: the conversation is the assistant turn alone
             sequence, prompt, text, last = prompt, prompt[:3], spec.prompt or "", None
         else:
             texts, ids, last = [], [], None
-            for out in drive_alone(self, request, blocks=self.blocking_blocks, prefix=self.system_prompts):
+            for out in outputs:
                 texts.append(out.text)
                 ids.extend(out.token_ids)
                 last = out
