@@ -62,12 +62,15 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     answers at once. The default is what a tenth of the host's available memory
     holds (half the free memory on a CUDA device), at most every seat at the
     full context, and at least one full context. Without ``bytes_per_token``
-    (a runtime that does not size from memory) it is room for every seat at 2k tokens.
+    (a runtime that does not size from memory) it is room for every seat at 2k tokens;
+    with 0 (a model without attention layers) every seat at the full context.
     """
     if config.max_kv_cache_capacity:
         return config.max_kv_cache_capacity
     if bytes_per_token is None:
         return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+    if bytes_per_token == 0:  # no attention layer: the blocks are bookkeeping, no memory
+        return config.max_batch_size * max_model_len
     device = device or torch.device("cpu")
     fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
     affordable = int(free_memory_bytes(device) * fraction) // bytes_per_token

@@ -31,6 +31,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared, ScheduledStep, StepOutput
 from ifb_plugins.mamba.checkpoints import DEFAULT_CHECKPOINT_INTERVAL, StateCheckpoints, plan_capacity
+from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
@@ -40,6 +41,11 @@ from ifb_plugins.common.sampling import sample_step
 from ifb_plugins.common.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.mamba")
+
+
+def kv_bytes_per_token(config: HybridConfig) -> int:
+    """Bytes of paged KV one token takes: K and V of every attention layer (float32, as ``allocate_cache``)."""
+    return 4 * 2 * config.num_attention_layers * config.num_kv_heads * config.head_dim
 
 
 class HybridRuntime:
@@ -52,10 +58,11 @@ class HybridRuntime:
         limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = min(model.config.max_position_embeddings, limit)
         self.kv_block_size = KV_BLOCK_SIZE
-        capacity = kv_capacity_tokens(config, self.max_model_len)
+        self.device = next(model.parameters()).device
+        # sized from memory as the text runtime's pool is; the recurrent state per seat is fixed beside it
+        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model.config), self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.num_seats = max(1, config.max_batch_size)
-        self.device = next(model.parameters()).device
         self.state_checkpoints: StateCheckpoints | None = None
         interval = config.options.get("hybrid_checkpoint_interval")
         if config.enable_context_reuse:
