@@ -1,6 +1,6 @@
-"""No module reaches into another module's private attributes (core/ and plugins/).
+"""No module reaches into another module's private attributes (core/, plugins/ and tests/).
 
-Two rules, checked on the AST:
+Three rules, checked on the AST:
 
 - ``x._name`` where ``x`` is not ``self`` / ``cls``: ``_name`` must be defined in
   the same module (a module's own private helpers may use each other).
@@ -8,6 +8,9 @@ Two rules, checked on the AST:
   same plugin package. A private attribute inherited from ``ifb`` or from
   another package (a plugin subclassing ``ifb_plugins.common.TextRuntime``) is
   a cross-module reach; the base class offers a public name instead.
+- in tests/, ``x._name`` where ``x`` was imported from ``ifb`` or ``ifb_plugins``:
+  a test uses what the module offers (the reference libraries' own
+  internals, transformers' for instance, are not ours to name).
 
 Not counted: dunder names (``__init__``) and sunder names (``_fields_``, ctypes'
 public protocol); and ``torch._*`` operators (``_weight_int4pack_mm_for_cpu``),
@@ -21,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_BASES = {"torch"}
+OURS = {"ifb", "ifb_plugins"}
 
 
 def is_private(name: str) -> bool:
@@ -87,6 +91,29 @@ def test_no_private_attribute_is_read_across_modules() -> None:
     assert [v for paths, names in units for v in violations(paths, names)] == []
 
 
+def imported_from_us(tree: ast.AST) -> set[str]:
+    """Names a module binds by importing ``ifb`` / ``ifb_plugins`` or something from them."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in OURS}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def test_no_test_reads_a_private_attribute_of_ours() -> None:
+    paths = sorted(p for p in (ROOT / "tests").rglob("*.py") if "build" not in p.relative_to(ROOT).parts)
+    assert len(paths) > 50
+    bad = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        ours = imported_from_us(tree)
+        bad += [f"{path.relative_to(ROOT)}:{line}: {base}.{attr}" for line, base, attr in private_reads(tree)
+                if base in ours]
+    assert bad == []
+
+
 def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
     (tmp_path / "base.py").write_text("class Base:\n    def __init__(self):\n        self._blocks = []\n")
     (tmp_path / "child.py").write_text(
@@ -98,3 +125,7 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
     found = violations([child], defined_names(ast.parse(child.read_text())), root=tmp_path)
     assert found == ["child.py:8: self._blocks (inherited from another package)",
                      "child.py:8: other._blocks (another module's private attribute)"]
+    test = ast.parse("from ifb_plugins.common import qkernels\nimport transformers\n"
+                     "qkernels._load.cache_clear()\ntransformers._internal\n")
+    assert [(base, attr) for _, base, attr in private_reads(test) if base in imported_from_us(test)] == [
+        ("qkernels", "_load")]
