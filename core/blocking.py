@@ -181,6 +181,7 @@ class BlockingEngine:
             self.counters.end(reason, was_resident=True, num_prompt_tokens=request.num_prompt_tokens)
 
     def _outputs(self, request: Request) -> Iterator[RequestOutput]:
+        # a runtime without stepped execution serves the request itself; a stepped one is driven here
         handle_request = getattr(self.runtime, "handle_request", None)
         if handle_request is not None:
             return handle_request(request.spec, request)

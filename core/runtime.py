@@ -85,14 +85,14 @@ class Runtime(Protocol):
     ``RequestEngine`` (in-flight batching) calls ``prepare`` from submitting
     threads and ``execute`` and ``release`` from its one actor thread;
     ``BlockingEngine`` calls ``prepare`` from submitting threads and then, from
-    its worker thread, one request at a time: for a stepped runtime, the
-    optional ``plan_alone`` and then ``execute`` and ``release`` itself
-    (``ifb.blocking.serve_alone``); for a runtime without stepped execution
-    (``caps.stepped_execution`` false), ``handle_request``. Such a runtime
-    needs no ``execute``; its ``release`` is never called. Both engines read
-    the attributes below; ``num_kv_blocks`` and ``kv_block_size`` size the
-    engine's block bookkeeping (the runtime owns the tensors) and bound the
-    prompt a request may bring.
+    its worker thread, one request at a time: ``handle_request`` where the
+    runtime has one (a runtime without stepped execution,
+    ``caps.stepped_execution`` false), else the optional ``plan_alone`` and
+    then ``execute`` and ``release`` (``ifb.blocking.serve_alone``). A
+    runtime without stepped execution needs no ``execute``; its ``release`` is
+    never called. Both engines read the attributes below; ``num_kv_blocks``
+    and ``kv_block_size`` size the engine's block bookkeeping (the runtime
+    owns the tensors) and bound the prompt a request may bring.
     """
 
     model_name: str
