@@ -1,10 +1,11 @@
 """The blocking path: one request at a time.
 
-A runtime that adds something of its own to the blocking path (LoRA, a
-captured system prompt, audio output) serves a request through its
-``handle_request``; a stepped runtime without one is driven here directly,
-alone, through ``execute`` (``drive_alone``), with no round trip through the
-plugin.
+A stepped runtime is driven here directly, alone, through ``execute``
+(``serve_alone``). What it adds of its own (a persistent block pool with
+captured system prompts, an active LoRA adapter, audio made from the
+answer) it says through one hook, ``plan_alone(request) -> AlonePlan``, which
+runs no step itself. A runtime without stepped execution serves a request
+through its ``handle_request``.
 
 The default mode, and the only one for deployments the gate refuses. A
 bounded queue holds waiting requests; a request that waits longer than the
@@ -13,11 +14,12 @@ queue timeout fails with a time-out instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import attrs
 
@@ -46,14 +48,43 @@ def fork(request: Request, index: int, tokenizer: Tokenizer, **param_changes) ->
     )
 
 
+@attrs.frozen
+class AlonePlan:
+    """What a stepped runtime adds to serving one request alone: its ``plan_alone(request)`` returns one.
+
+    The default (``AlonePlan()``) is a fresh pool of the runtime's ``num_kv_blocks``,
+    no prefix reuse, nothing around the drive and the outputs as they come.
+    """
+
+    #: the block bookkeeping the request is seated in; one that persists across requests keeps the
+    #: blocks ``prefix`` hands out (None: a fresh pool for this request)
+    blocks: BlockManager | None = None
+    #: finds prompt KV already computed (a captured system prompt); None: every prompt is prefilled
+    prefix: PrefixMatcher | None = None
+    #: entered around the whole drive and left when it ends (an active LoRA adapter)
+    context: ContextManager = attrs.field(factory=contextlib.nullcontext)
+    #: maps the drive's outputs to the request's (audio spoken from the answer). It receives them
+    #: lazily: a step runs only as it iterates, so one that never iterates them runs no step.
+    finish: Callable[[Iterator[RequestOutput]], Iterator[RequestOutput]] | None = None
+
+
+def serve_alone(runtime: Runtime, request: Request) -> Iterator[RequestOutput]:
+    """Serve one request of a stepped runtime alone, as the runtime's ``plan_alone`` (if any) asks."""
+    plan_alone = getattr(runtime, "plan_alone", None)
+    plan = plan_alone(request) if plan_alone is not None else AlonePlan()
+    with plan.context:
+        outputs = drive_alone(runtime, request, blocks=plan.blocks, prefix=plan.prefix)
+        yield from plan.finish(outputs) if plan.finish is not None else outputs
+
+
 def drive_alone(runtime: Runtime, request: Request, *, token_budget: int = 512,
                 blocks: BlockManager | None = None, prefix: PrefixMatcher | None = None,
                 ) -> Iterator[RequestOutput]:
     """Serve one request through stepped execution with nobody else in the batch.
 
-    Runtimes use it to implement ``handle_request``. A request with n > 1 runs
-    its n sequences as one private batch (sequence i seeded with seed + i);
-    ``finished`` is set on the output that ends the last sequence.
+    A request with n > 1 runs its n sequences as one private batch (sequence i
+    seeded with seed + i); ``finished`` is set on the output that ends the last
+    sequence.
     """
     params = request.params
     children = [
@@ -150,10 +181,11 @@ class BlockingEngine:
             self.counters.end(reason, was_resident=True, num_prompt_tokens=request.num_prompt_tokens)
 
     def _outputs(self, request: Request) -> Iterator[RequestOutput]:
+        # a runtime without stepped execution serves the request itself; a stepped one is driven here
         handle_request = getattr(self.runtime, "handle_request", None)
         if handle_request is not None:
             return handle_request(request.spec, request)
-        return drive_alone(self.runtime, request)
+        return serve_alone(self.runtime, request)
 
     def _forward(self, request: Request, outputs: Iterator[RequestOutput]) -> str:
         """Pass the runtime's outputs to the handle; return the finish reason."""

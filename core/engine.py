@@ -18,6 +18,7 @@ from ifb.counters import SchedulingCounters
 from ifb.detok import IncrementalDetokenizer
 from ifb.gate import UnsupportedDeployment, ifb_unsupported_reason
 from ifb.kv import BlockManager
+from ifb.options import media_refusal
 from ifb.outputs import RequestHandle
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.request import Request
@@ -44,6 +45,9 @@ def check_options(options: list[RequestOption], support: dict[str, OptionSupport
 
     Returns (the founder-only support the request uses, whether it runs alone).
     """
+    refusal = media_refusal(spec, support)
+    if refusal is not None:
+        raise RequestRejected(refusal)
     founder, alone = None, False
     for opt in options:
         if opt.relative_to_batch or not opt.uses(spec):

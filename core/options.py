@@ -7,6 +7,8 @@ declares its support per option name; undeclared options get the default.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from ifb.capabilities import OptionSupport, RequestOption, Support
 from ifb.params import RequestSpec
 
@@ -15,6 +17,47 @@ BLOCKING = "Use the blocking path (serve without --enable-in-flight-batching)."
 
 def _extra(name: str):
     return lambda spec: bool(spec.extras.get(name))
+
+
+#: the request option through which a deployment says whether it reads media; ``NOT_APPLICABLE``: text only
+MEDIA_OPTION = "media_under_pruner"
+
+
+def takes_media(support: Mapping[str, OptionSupport]) -> bool:
+    """Whether a deployment (its declared option support) reads image or audio content parts at all."""
+    media = support.get(MEDIA_OPTION)
+    return media is None or media.support is not Support.NOT_APPLICABLE
+
+
+def text_only_message(where: str, part_type: str) -> str:
+    """The refusal of a media part (``where``: ``messages[i].content[j]``) sent to a text-only deployment."""
+    return (f"Text input only: this model reads no images or audio, and {where} is an {part_type} part; "
+            "serve a vision or audio model to send media")
+
+
+def media_refusal(spec: RequestSpec, support: Mapping[str, OptionSupport]) -> str | None:
+    """The refusal for a request with media to a deployment that reads text only, naming the first part; else None."""
+    if takes_media(support) or not has_media(spec):
+        return None
+    for i, message in enumerate(spec.messages or ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, (list, tuple)) else ()):
+            part_type = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if part_type != "text":
+                return text_only_message(f"messages[{i}].content[{j}]", str(part_type))
+    return text_only_message("the request's media", "image or audio")
+
+
+def has_media(spec: RequestSpec) -> bool:
+    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
+    if spec.extras.get("media"):
+        return True
+    for message in spec.messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, (list, tuple)) and any(
+                not isinstance(part, dict) or part.get("type") != "text" for part in content):
+            return True
+    return False
 
 
 def _is_guided(spec: RequestSpec) -> bool:

@@ -14,6 +14,7 @@ from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
 
 if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
+    from ifb.blocking import AlonePlan
     from ifb.outputs import RequestOutput
     from ifb.request import Request
 
@@ -83,14 +84,15 @@ class Runtime(Protocol):
 
     ``RequestEngine`` (in-flight batching) calls ``prepare`` from submitting
     threads and ``execute`` and ``release`` from its one actor thread;
-    ``BlockingEngine`` calls ``prepare`` and then ``handle_request`` from its
-    worker thread, one request at a time. A runtime without stepped execution
-    (``caps.stepped_execution`` false) needs no ``execute``; its ``release`` is
-    never called. A stepped runtime that adds nothing to the blocking path may
-    leave ``handle_request`` out: the blocking engine then drives it alone
-    through ``execute`` itself. Both engines read the attributes below; ``num_kv_blocks`` and
-    ``kv_block_size`` size the engine's block bookkeeping (the runtime owns the
-    tensors) and bound the prompt a request may bring.
+    ``BlockingEngine`` calls ``prepare`` from submitting threads and then, from
+    its worker thread, one request at a time: ``handle_request`` where the
+    runtime has one (a runtime without stepped execution,
+    ``caps.stepped_execution`` false), else the optional ``plan_alone`` and
+    then ``execute`` and ``release`` (``ifb.blocking.serve_alone``). A
+    runtime without stepped execution needs no ``execute``; its ``release`` is
+    never called. Both engines read the attributes below; ``num_kv_blocks``
+    and ``kv_block_size`` size the engine's block bookkeeping (the runtime
+    owns the tensors) and bound the prompt a request may bring.
     """
 
     model_name: str
@@ -114,11 +116,18 @@ class Runtime(Protocol):
     def release(self, request_id: str, seat: int) -> None:
         """A request left its seat: finished, cancelled, failed or preempted (it may come back)."""
 
+    def plan_alone(self, request: Request) -> AlonePlan:
+        """Optional, stepped runtimes: what serving ``request`` alone on the blocking path adds.
+
+        Called once per request before its first step; it runs no step of its own
+        (it may compute a prefix's KV, as a system-prompt capture does). Without it
+        the request is served with ``AlonePlan()``: a fresh pool, nothing added.
+        """
+
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
-        """Serve one request alone on the blocking path; yield its outputs, the last one ``finished``.
+        """Runtimes without stepped execution: serve one request alone; yield its outputs, the last ``finished``.
 
         ``request`` is the engine's ``Request`` built from ``spec`` and this
         runtime's ``prepare``: its ``prompt_token_ids`` and ``extras`` are the
-        prepared ones. A stepped runtime usually implements this with
-        ``ifb.blocking.drive_alone``.
+        prepared ones. A stepped runtime leaves it out (``plan_alone`` says what it adds).
         """

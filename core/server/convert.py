@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ifb.options import text_only_message
 from ifb.params import RequestSpec, SamplingParams
 from ifb.server import tools
 from ifb.server.errors import ApiError
@@ -225,9 +226,7 @@ def _content(content: Any, index: int, takes_media: bool = True) -> Any:
         if getattr(part, field) is None:
             raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
         if field != "text" and not takes_media:
-            raise ApiError(400, f"this model reads text only, and {where} is an {part.type} part; serve a "
-                                "vision or audio model (see `ifb matrix`) to send media",
-                           param=where, code="unsupported_content")
+            raise ApiError(400, text_only_message(where, part.type), param=where, code="unsupported_content")
         parts.append({"type": part.type, field: converter.unstructure(getattr(part, field))})
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)

@@ -14,6 +14,7 @@ from starlette.requests import HTTPConnection
 
 from ifb.capabilities import EndpointSupport, Support
 from ifb.engine import EngineFull, RequestRejected
+from ifb.options import takes_media
 from ifb.outputs import RequestHandle
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.server.errors import ApiError, error_response
@@ -68,8 +69,7 @@ class AppState:
     @property
     def takes_media(self) -> bool:
         """Whether the deployment reads image or audio content parts at all."""
-        media = self.engine.support.get("media_under_pruner")
-        return media is None or media.support is not Support.NOT_APPLICABLE
+        return takes_media(self.engine.support)
 
     @property
     def system_fingerprint(self) -> str:

@@ -11,8 +11,7 @@ Its public API is what this package exports (``__all__``, imported lazily, so th
 and the names without a leading underscore of the modules in ``PUBLIC_MODULES``:
 
 - ``caps``: the declarations every deployment on ``TextRuntime`` shares (``text_options``,
-  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``; ``has_media``, whether a request
-  carries media);
+  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``);
 - ``runtime``: ``TextRuntime``, the paged-KV stepped runtime base (``KV_BLOCK_SIZE``,
   ``kv_capacity_tokens``);
 - ``sampling``: ``sample_step``, per-sequence sampling of a step's logits;
@@ -59,7 +58,6 @@ PUBLIC_MODULES = (
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from
 _EXPORTS = {
     "MAX_BUILT_BATCH": "caps", "TEXT_ENDPOINTS": "caps", "TEXT_RUNTIME_SETTINGS": "caps", "text_options": "caps",
-    "has_media": "caps",
     "TextRuntime": "runtime", "KV_BLOCK_SIZE": "runtime", "DEFAULT_MAX_MODEL_LEN": "runtime",
     "kv_capacity_tokens": "runtime",
     "SeqSample": "sampling", "sample_step": "sampling",

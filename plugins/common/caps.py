@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ifb.capabilities import EndpointSupport, OptionSupport, RequestOption, Support
 from ifb.options import BLOCKING
-from ifb.params import RequestSpec
 
 #: the runtime has no fixed batch dimension; this bounds the seat count it accepts
 MAX_BUILT_BATCH = 256
@@ -46,14 +45,3 @@ def text_options() -> dict[str, OptionSupport]:
         "past_trajectory": OptionSupport(Support.NOT_APPLICABLE, reason="No trajectory execution is built."),
     }
 
-
-def has_media(spec: RequestSpec) -> bool:
-    """Whether a request carries media: ``extras["media"]`` or a non-text content part in its messages."""
-    if spec.extras.get("media"):
-        return True
-    for message in spec.messages or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, (list, tuple)) and any(
-                not isinstance(part, dict) or part.get("type") != "text" for part in content):
-            return True
-    return False

@@ -51,7 +51,7 @@ class DeepStackTextModel(TextModel):
         h = self.config.hidden_size
         x = rows[:, :h].contiguous()  # [T, H]
         deepstack = rows[:, h:].view(rows.shape[0], self.num_deepstack, h)  # [T, K, H], zeros on text rows
-        cos, sin = self._rope(positions, x.dtype, None)
+        cos, sin = self.rotary(positions, x.dtype, None)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, attn, kv_cache)
             if i < self.num_deepstack:

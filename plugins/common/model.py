@@ -245,8 +245,8 @@ class TextModel(nn.Module):
         self._mrope_rows = (section_rows(config.mrope_section, config.head_dim, config.mrope_interleaved)
                             if config.mrope_section else None)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype,
-              num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+               num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and signed ``sin`` ``[T, 1, D]`` at ``positions [T]`` (or ``[3, T]``, M-RoPE), all below ``num_positions``."""
         inv_freq = self.inv_freq
         if inv_freq.dtype != torch.float32 or inv_freq.is_meta:
@@ -284,7 +284,7 @@ class TextModel(nn.Module):
         """
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
         # M-RoPE ids of a pruned image may pass its context index: read their bound from the ids
-        cos, sin = self._rope(positions, x.dtype, max(attn.seq_lens_host) if positions.dim() == 1 else None)
+        cos, sin = self.rotary(positions, x.dtype, max(attn.seq_lens_host) if positions.dim() == 1 else None)
         if self.decoder_impl is not None:
             x = self.decoder_impl(x, cos, sin, attn, kv_caches)
         else:

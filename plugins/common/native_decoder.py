@@ -185,7 +185,7 @@ class NativeDecoder:
         t, d = x.shape[0], self._decoder.d
         if len(kv_caches) != self._decoder.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self._decoder.num_layers} layers")
-        # TextModel._rope hands out cos / sin as views of one [T, 2, D] table; rebuild it otherwise.
+        # TextModel.rotary hands out cos / sin as views of one [T, 2, D] table; rebuild it otherwise.
         if cos.dtype == torch.float32 and cos.stride(0) == 2 * d and sin.data_ptr() == cos.data_ptr() + 4 * d:
             rope, keep = cos.data_ptr(), None
         else:

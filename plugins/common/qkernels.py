@@ -80,8 +80,8 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("ifb")) / "kernels"
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+def cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags (a build's cache key)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -90,7 +90,8 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with (``$CC``, else ``cc``) on the PATH; None if there is none."""
     name = os.environ.get("CC", "cc")
     return shutil.which(name)
 
@@ -108,7 +109,7 @@ def sources() -> dict[str, bytes]:
 def build_key(files: dict[str, bytes], compiler_version: str, flags: tuple[str, ...]) -> str:
     """The cache key of a build: every source file (name and bytes), the compiler, the flags, the CPU."""
     parts = [b"%s\0%s" % (name.encode(), data) for name, data in sorted(files.items())]
-    parts += [compiler_version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
+    parts += [compiler_version.encode(), " ".join(flags).encode(), cpu_signature().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -256,6 +257,11 @@ def load(march: str | None = None) -> Kernels | None:
     return _load(march or os.environ.get("IFB_KERNEL_MARCH") or "native")
 
 
+def forget_loaded() -> None:
+    """Drop the kernels ``load`` keeps, so that the next call builds or finds them again (``CC`` changed)."""
+    _load.cache_clear()
+
+
 @functools.cache
 def _load(march: str) -> Kernels | None:
     try:
@@ -263,7 +269,7 @@ def _load(march: str) -> Kernels | None:
     except OSError as exc:
         log.warning("native GGUF kernels unavailable: %s/%s is missing (%s)", SOURCE_DIR, SOURCE_NAME, exc)
         return None
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
         log.warning("native GGUF kernels unavailable: no C compiler (set CC or install cc)")
         return None

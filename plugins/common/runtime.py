@@ -1,20 +1,21 @@
 """The text runtime: the model driven one scheduled step at a time.
 
 ``execute`` packs a step's ragged prefill chunks and decode tokens into one
-forward over the paged KV cache, then samples per sequence. The blocking path
-(``handle_request``) adds what in-flight batching rejects: n > 1, per-request
-LoRA adapters and the legacy system-prompt KV capture.
+forward over the paged KV cache, then samples per sequence. On the blocking
+path (``plan_alone``) it adds what in-flight batching rejects: per-request
+LoRA adapters and the legacy system-prompt KV capture (n > 1 the blocking
+engine serves itself).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import torch
 
-from ifb.blocking import drive_alone
+from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.kv import BlockManager
 from ifb.params import InvalidRequest, RequestSpec
@@ -61,12 +62,15 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     answers at once. The default is what a tenth of the host's available memory
     holds (half the free memory on a CUDA device), at most every seat at the
     full context, and at least one full context. Without ``bytes_per_token``
-    (a runtime that does not size from memory) it is room for every seat at 2k tokens.
+    (a runtime that does not size from memory) it is room for every seat at 2k tokens;
+    with 0 (a model without attention layers) every seat at the full context.
     """
     if config.max_kv_cache_capacity:
         return config.max_kv_cache_capacity
     if bytes_per_token is None:
         return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+    if bytes_per_token == 0:  # no attention layer: the blocks are bookkeeping, no memory
+        return config.max_batch_size * max_model_len
     device = device or torch.device("cpu")
     fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
     affordable = int(free_memory_bytes(device) * fraction) // bytes_per_token
@@ -97,9 +101,11 @@ class TextRuntime:
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
-        # The blocking path's own block bookkeeping persists so captured prefixes survive requests.
-        self._blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
-        self.system_prompts = SystemPromptCache(self._blocking_blocks, self)
+        #: the blocking path's block bookkeeping over ``kv_caches``: it persists so that captured system
+        #: prompts (``system_prompts``) survive requests; a subclass that runs its own forward on the
+        #: blocking path (the Omni Thinker's states) takes its blocks here
+        self.blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
+        self.system_prompts = SystemPromptCache(self.blocking_blocks, self)
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
         #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
         #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
@@ -164,11 +170,19 @@ class TextRuntime:
         self.guided.release(request_id)
 
     # ---- blocking path ----
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        if spec.extras.get("save_system_prompt_kv_cache"):
-            self.system_prompts.capture(spec, request.prompt_token_ids)
-        with self.lora.active(spec.extras.get("lora")):
-            yield from drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts)
+    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
+        """The blocking path's plan: the persistent pool and its captured system prompts, the LoRA adapter active.
+
+        With ``save_system_prompt_kv_cache`` (and ``capture_system_prompt``) the
+        request's system prompt is captured first, with the base weights, for
+        later requests to reuse. A subclass whose prompts cannot be matched by
+        token ids alone passes ``capture_system_prompt=False``.
+        """
+        extras = request.spec.extras
+        if capture_system_prompt and extras.get("save_system_prompt_kv_cache"):
+            self.system_prompts.capture(request.spec, request.prompt_token_ids)
+        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
+                         context=self.lora.active(extras.get("lora")))
 
     def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
         """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture)."""

@@ -27,7 +27,7 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 
 #: characters from which ``encode`` tokenizes without holding the GIL (it takes about a millisecond)
-_LONG_TEXT = 4096
+LONG_TEXT_CHARS = 4096
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -199,7 +199,7 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS where the checkpoint asks for it."""
-        if len(text) > _LONG_TEXT:  # the batch call releases the GIL: the engine's steps go on meanwhile
+        if len(text) > LONG_TEXT_CHARS:  # the batch call releases the GIL: the engine's steps go on meanwhile
             return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -14,22 +14,24 @@ are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
 A request preempted for lack of KV blocks is released like any other; when it
 is seated again (perhaps in another seat, reset first) its prompt and generated
 tokens are prefilled from position 0, so its state is recomputed, not saved.
+
+The blocking engine drives it alone through ``execute`` (nothing to add, so no
+``plan_alone``): a request's sequences take seats 0..n-1 of the same state
+tensors, free because only one engine drives a runtime.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 
-from ifb.blocking import drive_alone
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep, StepOutput
 from ifb_plugins.mamba.checkpoints import DEFAULT_CHECKPOINT_INTERVAL, StateCheckpoints, plan_capacity
+from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
@@ -39,6 +41,11 @@ from ifb_plugins.common.sampling import sample_step
 from ifb_plugins.common.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.mamba")
+
+
+def kv_bytes_per_token(config: HybridConfig) -> int:
+    """Bytes of paged KV one token takes: K and V of every attention layer (float32, as ``allocate_cache``)."""
+    return 4 * 2 * config.num_attention_layers * config.num_kv_heads * config.head_dim
 
 
 class HybridRuntime:
@@ -51,10 +58,11 @@ class HybridRuntime:
         limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = min(model.config.max_position_embeddings, limit)
         self.kv_block_size = KV_BLOCK_SIZE
-        capacity = kv_capacity_tokens(config, self.max_model_len)
+        self.device = next(model.parameters()).device
+        # sized from memory as the text runtime's pool is; the recurrent state per seat is fixed beside it
+        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model.config), self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.num_seats = max(1, config.max_batch_size)
-        self.device = next(model.parameters()).device
         self.state_checkpoints: StateCheckpoints | None = None
         interval = config.options.get("hybrid_checkpoint_interval")
         if config.enable_context_reuse:
@@ -110,12 +118,6 @@ class HybridRuntime:
     def seat_state(self, seat: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of a seat's conv and SSM state, one per Mamba layer (for inspection)."""
         return ([t[seat].clone() for t in self.cache.conv], [t[seat].clone() for t in self.cache.ssm])
-
-    # ---- blocking path ----
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        # drive_alone seats the request's sequences on seats 0..n-1 of the same state tensors;
-        # only one path drives a runtime, so they are free.
-        yield from drive_alone(self, request)
 
 
 def load_hybrid_runtime(config: DeployConfig, caps: DeploymentCaps) -> HybridRuntime:

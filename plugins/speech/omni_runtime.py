@@ -25,14 +25,14 @@ from typing import Any, Iterator, Sequence
 import attrs
 import torch
 
-from ifb.blocking import drive_alone
+from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.options import has_media
 from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
 from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.caps import has_media
 from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.common.deepstack import build_text_model
 from ifb_plugins.common.lora import LoraSet
@@ -160,17 +160,23 @@ class OmniRuntime(TextRuntime):
         """The step's token embeddings with its audio and image rows spliced in (None for text alone)."""
         return splice_embeddings(step, input_ids, self.model.model.embed_tokens)
 
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        if not spec.extras.get("generate_audio"):
-            yield from super().handle_request(spec, request)
-            return
+    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
+        """A spoken request: the Thinker's answer (none with ``speak_input``) made into speech by ``speak``."""
+        if not request.spec.extras.get("generate_audio"):
+            return super().plan_alone(request, capture_system_prompt=capture_system_prompt)
+        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
+                         finish=lambda outputs: self.speak(request, outputs))
+
+    def speak(self, request: Request, outputs: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+        """The Thinker's ``outputs`` streamed, the last one with the speech of the answer added."""
+        spec = request.spec
         req = self.speech_request(spec)
         prompt = list(request.prompt_token_ids)
         if req.speak_input:  # the text is the reply: the conversation is the assistant turn alone
             sequence, prompt, text, last = prompt, prompt[:3], spec.prompt or "", None
         else:
             texts, ids, last = [], [], None
-            for out in drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts):
+            for out in outputs:
                 texts.append(out.text)
                 ids.extend(out.token_ids)
                 last = out
@@ -208,7 +214,7 @@ class OmniRuntime(TextRuntime):
         """The Thinker's input embeddings and hidden states at the Talker's layer, for all but the last token."""
         ids = list(sequence_ids[:-1])
         cfg = self.model.config
-        blocks = self._blocking_blocks
+        blocks = self.blocking_blocks
         block_ids = blocks.allocate(blocks.blocks_for(len(ids)))
         try:
             attn = build_attn_metadata([(0, len(ids), block_ids)], KV_BLOCK_SIZE, self.device)

@@ -11,7 +11,7 @@ import click
 
 from ifb import hookimpl
 from ifb.capabilities import DeploySetting, OptionSupport, RequestOption, Support
-from ifb_plugins.common.caps import has_media
+from ifb.options import has_media
 
 
 MEDIA_UNDER_PRUNER = RequestOption(

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Iterator
 
 import attrs
 import torch
 
-from ifb.blocking import drive_alone
+from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
@@ -154,11 +153,8 @@ class VlmRuntime(TextRuntime):
         return embeds
 
     # ---- blocking path ----
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[Any]:
-        if request.extras.get(MEDIA) and spec.extras.get("save_system_prompt_kv_cache"):
-            # A captured prefix is matched by token ids alone; one holding media placeholders
-            # would hand this image's KV to a later request with another image. Serve it uncaptured.
-            with self.lora.active(spec.extras.get("lora")):
-                yield from drive_alone(self, request, blocks=self._blocking_blocks, prefix=self.system_prompts)
-            return
-        yield from super().handle_request(spec, request)
+    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
+        # A captured prefix is matched by token ids alone; one holding media placeholders
+        # would hand this image's KV to a later request with another image. Serve it uncaptured.
+        return super().plan_alone(request, capture_system_prompt=capture_system_prompt
+                                  and not request.extras.get(MEDIA))

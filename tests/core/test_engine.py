@@ -293,3 +293,53 @@ def test_blocking_path_serves_n_and_times_out_in_queue():
     finally:
         gate.set()
         eng.shutdown()
+
+
+def test_blocking_path_follows_the_runtimes_plan_alone():
+    """``plan_alone``: the pool persists, the context wraps the drive, ``finish`` maps the outputs lazily."""
+    import contextlib
+
+    import attrs
+
+    from ifb.blocking import AlonePlan
+    from ifb.kv import BlockManager
+    from ifb.outputs import RequestOutput
+
+    events = []
+
+    @contextlib.contextmanager
+    def around(name):
+        events.append(f"enter {name}")
+        yield
+        events.append(f"exit {name} after {len(rt.steps)} steps")
+
+    def finish(request, outputs):
+        if request.spec.extras.get("skip"):  # never iterates the outputs: no step runs
+            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
+                                finish_reason="stop")
+            return
+        outs = list(outputs)
+        yield from outs[:-1]
+        yield attrs.evolve(outs[-1], extras={"num_outputs": len(outs)})
+
+    @attrs.define
+    class PlanningRuntime(FakeRuntime):
+        pool: BlockManager = attrs.field(factory=lambda: BlockManager(256, 4))
+
+        def plan_alone(self, request):
+            return AlonePlan(blocks=self.pool, context=around(request.request_id),
+                             finish=lambda outputs: finish(request, outputs))
+
+    rt = PlanningRuntime()
+    eng = BlockingEngine(rt, DeployConfig(), list(BUILTIN_OPTIONS))
+    try:
+        handle = eng.submit(spec([1, 2, 3], max_tokens=4))
+        final = handle.result()
+        assert final.token_ids == tuple(expected([1, 2, 3], 4)) and final.extras == {"num_outputs": 4}
+        assert events == [f"enter {handle.request_id}", f"exit {handle.request_id} after {len(rt.steps)} steps"]
+        assert rt.steps and rt.pool.num_free == 256  # seated in the runtime's pool, and every block back
+        num_steps = len(rt.steps)
+        skipped = eng.submit(RequestSpec(prompt_token_ids=(1, 2), params=GREEDY, extras={"skip": True})).result()
+        assert len(rt.steps) == num_steps and skipped.token_ids == ()
+    finally:
+        eng.shutdown()

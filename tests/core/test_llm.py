@@ -70,3 +70,28 @@ def test_an_exception_in_chat_cancels_the_request(monkeypatch):
         assert snap["cancelled"] == 1 and snap["resident"] == 0 and snap["completed"] == 0
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_chat_with_media_on_a_text_model_names_the_part_as_the_server_does(in_flight):
+    from ifb.capabilities import OptionSupport, Support
+    from ifb.engine import RequestRejected
+    from ifb.options import text_only_message
+
+    llm = LLM.__new__(LLM)
+    caps = text_caps(options={"media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only.")})
+    llm.deployment = make_deployment(in_flight=in_flight, runtime=FakeRuntime(caps=caps))
+    llm.config = llm.deployment.config
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+    try:
+        with pytest.raises(RequestRejected) as refused:
+            llm.chat(messages, SamplingParams(max_tokens=2))
+        assert str(refused.value) == text_only_message("messages[1].content[1]", "image_url")
+        assert "messages[1].content[1] is an image_url part" in str(refused.value)
+        assert "pruner" not in str(refused.value)
+        assert llm.chat([{"role": "user", "content": "abc"}], SamplingParams(max_tokens=2)).token_ids
+        assert llm.engine.counters.snapshot()["submitted"] == 1
+    finally:
+        llm.close()

@@ -58,7 +58,7 @@ def test_a_field_only_in_the_mirror_fails_the_check(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_field_only_in_the_library_fails_the_check(tmp_path: Path) -> None:
-    compiler = qkernels._compiler()
+    compiler = qkernels.find_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     files = {**qkernels.sources(), PARAMS_HEADER: with_extra_step_field(HEADER).encode()}

@@ -36,7 +36,7 @@ def _other_builds() -> list[tuple[str, qkernels.Kernels | None]]:
     if KERNELS is None or KERNELS.isa != 512:
         return []
     builds = [("avx2", qkernels.load("x86-64-v3"))]
-    if "avx512_vnni" in qkernels._cpu_signature():  # the feature flags the native build keys on
+    if "avx512_vnni" in qkernels.cpu_signature():  # the feature flags the native build keys on
         builds.append(("avx512", qkernels.load("skylake-avx512")))
     return builds
 
@@ -370,7 +370,7 @@ def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyP
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("IFB_KERNEL_CACHE", str(tmp_path / "kernels"))
-    qkernels._load.cache_clear()
+    qkernels.forget_loaded()
     try:
         with caplog.at_level(logging.WARNING, logger="ifb.text"):
             assert qkernels.load() is None
@@ -378,4 +378,4 @@ def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyP
         assert "no C compiler" in caplog.text
         assert backend == ("torch-int4" if quant_torch.supported() else None)
     finally:
-        qkernels._load.cache_clear()
+        qkernels.forget_loaded()

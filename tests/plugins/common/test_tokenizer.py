@@ -101,8 +101,8 @@ def test_long_texts_tokenize_as_short_ones(tiny: TextTokenizer, tiny_dir: Path) 
 
     from ifb_plugins.common import tokenizer as module
 
-    text = "Der Zug fährt um 12:30 ab. 🙂 " * (module._LONG_TEXT // 10)
-    assert len(text) > module._LONG_TEXT  # the GIL-free batch path
+    text = "Der Zug fährt um 12:30 ab. 🙂 " * (module.LONG_TEXT_CHARS // 10)
+    assert len(text) > module.LONG_TEXT_CHARS  # the GIL-free batch path
     assert tiny.encode(text) == AutoTokenizer.from_pretrained(tiny_dir)(text)["input_ids"]
 
 

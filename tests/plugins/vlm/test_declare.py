@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from ifb import LLM
 from ifb.capabilities import DeployConfig, Support
 from ifb.matrix import build, deployment_row
-from ifb_plugins.common.caps import has_media
+from ifb.options import has_media
 from ifb.params import RequestSpec
 from ifb.plugins import default_host
 from ifb_plugins.vlm import VARIANTS, declare, pruner_ratio
