@@ -13,11 +13,15 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
   float32 exactly as the float32 path's dequantization does, so the model
   differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
   (the default model's tied embedding, hence its output head) are read.
-- ``quant_torch.BlockTorchLinear`` for the other types read as stored (Q5_0,
-  Q5_1, Q4_K, Q5_K, Q6_K: ``STORED``): the same integer scheme in torch, the
-  same bits as the native kernels' (it is their reference). A GGUF that mixes
-  types (``Q4_K_M``: Q4_K, Q6_K and Q8_0 tensors) runs each tensor on its
-  own type's path.
+- ``StoredBlockLinear`` for the other types read as stored (Q5_0, Q5_1,
+  Q4_K, Q5_K, Q6_K): the native kernels' ``stored_matmul`` on the rows as the
+  file stores them, with int16 / int8 activations.
+- ``quant_torch.BlockTorchLinear`` for those types otherwise (no native
+  kernels, or float32 activations): the same integer scheme in torch, the
+  same bits as the native kernels' (it is their reference).
+
+A GGUF that mixes types (``Q4_K_M``: Q4_K, Q6_K and Q8_0 tensors) runs each
+tensor on its own type's path.
 - ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
   int4pack matmul on bfloat16 activations, 4-bit types only.
 
@@ -155,6 +159,36 @@ class BlockLinear(nn.Module):
                 f"{self.activations} activations")
 
 
+class StoredBlockLinear(nn.Module):
+    """``nn.Linear``'s call signature over GGUF rows kept as stored (Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), computed by ``Kernels.stored_matmul`` with integer activations (float32 out)."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels, *,
+                 activations: qkernels.Activations = "int16") -> None:
+        super().__init__()
+        if int(weight.qtype) not in qkernels.STORED_TYPES:
+            raise ValueError(f"the native kernels do not read {weight.qtype.name} rows as stored")
+        if activations not in ("int16", "int8"):
+            raise ValueError(f"stored blocks take int16 or int8 activations, not {activations!r}")
+        self.activations = activations
+        self.out_features, self.in_features = weight.shape
+        self.qtype = weight.qtype
+        self.register_buffer("blocks", weight.blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = self.kernels.stored_matmul(rows, self.blocks, int(self.qtype), self.bias, activations=self.activations)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks "
+                f"as stored, {self.activations} activations")
+
+
 @attrs.frozen
 class QuantizationReport:
     """What ``quantize_model`` did, for the load log."""
@@ -210,6 +244,9 @@ class _Swapper:
     def module(self, weight: BlockWeight, bias: torch.Tensor | None, num_parts: int = 1) -> nn.Module:
         if self.kernels is not None and weight.qtype in KINDS:
             return BlockLinear(weight, bias, self.kernels, activations=self.activations)
+        if (self.kernels is not None and int(weight.qtype) in qkernels.STORED_TYPES
+                and self.activations in ("int16", "int8")):
+            return StoredBlockLinear(weight, bias, self.kernels, activations=self.activations)
         if self.kernels is None and weight.qtype in (Q.Q4_0, Q.Q4_1):
             return quant_torch.Int4Linear(weight.to_int4pack(), bias)
         self.num_torch += num_parts

@@ -221,15 +221,16 @@ def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gg
     assert second.self_attn.qkv_proj.qtype == Q.Q5_0 and second.self_attn.o_proj.qtype == Q.Q5_1
     assert second.mlp.gate_up_proj.qtype == Q.Q5_K
     torch_modules = [m for m in model.modules() if isinstance(m, quant_torch.BlockTorchLinear)]
-    if backend == "native":
-        assert isinstance(second.mlp.down_proj, quant.BlockLinear)  # Q8_0: the native kernel
-        assert report.num_quantized == 14 and report.num_kept == 0 and report.num_torch == 13
-        assert isinstance(model.head, quant_torch.BlockTorchLinear) and model.head.qtype == Q.Q6_K
-        assert len(torch_modules) == 10 and "Q6_K in torch" in report.head
-    else:  # Q8_0 stays float32 there, as before
+    stored = [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
+    if backend == "native":  # every type on a native kernel: Q8_0 interleaved, the others as stored
+        assert isinstance(second.mlp.down_proj, quant.BlockLinear)
+        assert report.num_quantized == 14 and report.num_kept == 0 and report.num_torch == 0
+        assert isinstance(model.head, quant.StoredBlockLinear) and model.head.qtype == Q.Q6_K
+        assert len(stored) == 10 and not torch_modules and report.head == "on GGUF blocks (Q6_K)"
+    else:  # torch's integer path; Q8_0 stays float32 there, as before
         assert report.num_quantized == 13 and report.num_kept == 1 and report.num_torch == 13
-        assert len(torch_modules) == 9
-    assert all(m.activations == "int16" for m in torch_modules)
+        assert len(torch_modules) == 9 and not stored
+    assert all(m.activations == "int16" for m in torch_modules + stored)
     ids = PROMPTS[1]
     got, ref = prefill_logits(model, ids), prefill_logits(reference, ids)
     if backend == "torch-int4":  # its output head: 4-bit, only each row's best logits re-scored exactly
