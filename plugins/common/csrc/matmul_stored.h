@@ -65,10 +65,25 @@ static void decode_row(int type, const uint8_t *p, long k, int8_t *codes, float 
                           (uint32_t)p[head + 3] << 24;
             const uint8_t *qs = p + head + 4;
             int8_t *c = codes + 32 * b;
+#if IFB_ISA == 512 || IFB_ISA == 256
+            /* bit i of the word -> 16 in byte i: each byte of a half picks its word byte, tests its bit */
+            const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+            const __m128i nib = _mm_set1_epi8(15), sixteen = _mm_set1_epi8(16), offset = _mm_set1_epi8((char)off);
+            __m128i q = _mm_loadu_si128((const __m128i *)qs);
+            __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+            __m128i b0 = _mm_shuffle_epi8(_mm_set1_epi16((short)(qh & 0xFFFFu)), pick);
+            __m128i b1 = _mm_shuffle_epi8(_mm_set1_epi16((short)(qh >> 16)), pick);
+            b0 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b0, bit), bit), sixteen);
+            b1 = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(b1, bit), bit), sixteen);
+            _mm_storeu_si128((__m128i *)c, _mm_sub_epi8(_mm_or_si128(lo, b0), offset));
+            _mm_storeu_si128((__m128i *)(c + 16), _mm_sub_epi8(_mm_or_si128(hi, b1), offset));
+#else
             for (int i = 0; i < 16; i++) {
                 c[i] = (int8_t)(((qs[i] & 15) | ((qh >> i) & 1) << 4) - off);
                 c[i + 16] = (int8_t)(((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - off);
             }
+#endif
         }
     } else if (type == T_Q4_K || type == T_Q5_K) {
         long bb = type == T_Q4_K ? 144 : 176;
@@ -113,15 +128,36 @@ static void decode_row(int type, const uint8_t *p, long k, int8_t *codes, float 
     }
 }
 
-/* sum(a[i] * b[i]) over G weight codes and activation codes: exact in int32. */
+#if IFB_ISA == 512 || IFB_ISA == 256
+/* The 8 int32 lanes' sum. */
+INLINE int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
+/* sum(a[i] * b[i]) over G weight codes and activation codes: an exact int32 (products of at most
+ * 64 * 32512 in pairs), whatever the instruction set. */
 INLINE int32_t dot_codes(const int8_t *a, const int16_t *b, int g) {
-    int32_t s = 0;
+#if IFB_ISA == 512
     if (g == 32) {
-        for (int i = 0; i < 32; i++) s += (int32_t)a[i] * (int32_t)b[i];
-    } else {
-        for (int i = 0; i < 16; i++) s += (int32_t)a[i] * (int32_t)b[i];
+        __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a));
+        return _mm512_reduce_add_epi32(_mm512_madd_epi16(w, _mm512_loadu_si512((const void *)b)));
     }
+#endif
+#if IFB_ISA == 512 || IFB_ISA == 256
+    __m256i acc = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)a)),
+                                    _mm256_loadu_si256((const __m256i *)b));
+    if (g == 32)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a + 16))),
+                                                      _mm256_loadu_si256((const __m256i *)(b + 16))));
+    return hsum8(acc);
+#else
+    int32_t s = 0;
+    for (int i = 0; i < g; i++) s += (int32_t)a[i] * (int32_t)b[i];
     return s;
+#endif
 }
 
 /* Output columns [j0, j1) for every row. */
