@@ -160,6 +160,80 @@ INLINE int32_t dot_codes(const int8_t *a, const int16_t *b, int g) {
 #endif
 }
 
+#if IFB_ISA == 512
+#define STORED_COLUMNS 16 /* AVX-512: output columns decoded together, one lane each */
+
+/* The 16 int32 products (in pairs) of G codes and activation codes (Q6_K's 16: 8, the rest zero). */
+INLINE __m512i madd_codes(const int8_t *a, const int16_t *b, int g) {
+    if (g == 32)
+        return _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a)),
+                                 _mm512_loadu_si512((const void *)b));
+    return _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)a)),
+                                                    _mm256_loadu_si256((const __m256i *)b)));
+}
+INLINE __m512i pair_sums(__m512i a, __m512i b) { /* per 128 bits: a, b, a, b partial sums */
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+INLINE __m512i quad_sums(__m512i a, __m512i b) { /* per 128 bits: the 4 columns' partial sums */
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+INLINE __m512i lane_sums(__m512i a, __m512i b) { /* 128-bit lanes 0 + 1 and 2 + 3 of a, then of b */
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+/* Lane c: the sum of v[c]'s lanes (exact integers: any order gives them). */
+INLINE __m512i transpose_sums(const __m512i v[16]) {
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; i++) t[i] = pair_sums(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++) u[i] = quad_sums(t[2 * i], t[2 * i + 1]);
+    return lane_sums(lane_sums(u[0], u[1]), lane_sums(u[2], u[3]));
+}
+
+/* Groups [g0, g1) of 16 output columns for every row: the group's rows decoded once (columns past
+ * n: zero codes, scales and minima), then per sub-block the 16 integer sums side by side and the
+ * float steps on 16 lanes, each lane the very sequence stored_columns runs for its column. */
+static void stored_groups(const void *arg, long g0, long g1) {
+    const stored_t *a = (const stored_t *)arg;
+    enum { C = STORED_COLUMNS };
+    long k = a->k, nb = k / QK;
+    int g = stored_group(a->type), affine = a->type != T_Q5_0 && a->type != T_Q6_K;
+    long nsub = k / g;
+    /* on the stack: 16 decoded rows, 1.25 bytes per weight (380 KB for rows of 18944) */
+    int8_t codes[C * k];
+    float scales[nsub * C], mins[nb * C], row_scales[nsub], row_mins[nb]; /* [sub-block][column] */
+    for (long grp = g0; grp < g1; grp++) {
+        long j0 = grp * C, cols = a->n - j0 < C ? a->n - j0 : C;
+        for (int c = 0; c < C; c++) {
+            if (c < cols) {
+                decode_row(a->type, a->rows + (j0 + c) * a->row_bytes, k, codes + c * k, row_scales, row_mins);
+            } else {
+                memset(codes + c * k, 0, (size_t)k);
+                for (long s = 0; s < nsub; s++) row_scales[s] = 0.0f;
+                for (long b = 0; b < nb; b++) row_mins[b] = 0.0f;
+            }
+            for (long s = 0; s < nsub; s++) scales[s * C + c] = row_scales[s];
+            if (affine)
+                for (long b = 0; b < nb; b++) mins[b * C + c] = row_mins[b];
+        }
+        for (long r = 0; r < a->m; r++) {
+            const int16_t *xc = a->xc + r * k;
+            const float *xs = a->xs + r * nb, *xsum = a->xsum + r * nb;
+            __m512 acc = _mm512_setzero_ps();
+            for (long s = 0; s < nsub; s++) {
+                __m512i v[C];
+                for (int c = 0; c < C; c++) v[c] = madd_codes(codes + c * k + s * g, xc + s * g, g);
+                __m512 sum = _mm512_cvtepi32_ps(transpose_sums(v));
+                acc = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(xs[s * g / QK])),
+                                      _mm512_loadu_ps(scales + s * C), acc);
+                if (affine) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mins + s * C), _mm512_set1_ps(xsum[s]), acc);
+            }
+            float out[C];
+            _mm512_storeu_ps(out, acc);
+            float *y = a->y + r * a->n + j0;
+            for (int c = 0; c < cols; c++) y[c] = a->bias ? out[c] + a->bias[j0 + c] : out[c];
+        }
+    }
+}
+#else
 /* Output columns [j0, j1) for every row. */
 static void stored_columns(const void *arg, long j0, long j1) {
     const stored_t *a = (const stored_t *)arg;
@@ -184,6 +258,7 @@ static void stored_columns(const void *arg, long j0, long j1) {
         }
     }
 }
+#endif
 
 /* y [m, n] = x [m, k] (float32) times n GGUF rows of `type` as stored (row_bytes each), plus bias
  * [n] (or NULL), x quantized to 15-bit (passes 2) or 8-bit (1) codes per block of 32.
@@ -205,6 +280,10 @@ int ifb_stored_matmul(const float *x, long m, long k, const uint8_t *rows, int t
     int16_t *xc = (int16_t *)(xq + passes * m * k); /* aligned: k is a multiple of 32 */
     for (long i = 0; i < m * k; i++) xc[i] = (int16_t)(passes == 2 ? 256 * xq[i] + xq[m * k + i] : xq[i]);
     stored_t job = {type, passes, m, k, n, row_bytes, rows, bias, y, xc, xs, xsum};
+#if IFB_ISA == 512
+    run_elementwise(stored_groups, &job, (n + STORED_COLUMNS - 1) / STORED_COLUMNS, m * n * (k / QK));
+#else
     run_elementwise(stored_columns, &job, n, m * n * (k / QK));
+#endif
     return 0;
 }
