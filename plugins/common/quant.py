@@ -19,11 +19,11 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
 - ``quant_torch.BlockTorchLinear`` for those types otherwise (no native
   kernels, or float32 activations): the same integer scheme in torch, the
   same bits as the native kernels' (it is their reference).
+- ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
+  int4pack matmul on bfloat16 activations, Q4_0 / Q4_1 only.
 
 A GGUF that mixes types (``Q4_K_M``: Q4_K, Q6_K and Q8_0 tensors) runs each
 tensor on its own type's path.
-- ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
-  int4pack matmul on bfloat16 activations, 4-bit types only.
 
 Q/K/V and gate/up are fused into one matmul each (their rows are concatenated;
 ``gguf_loader`` has already put llama.cpp's permuted Q/K rows back in order,
