@@ -10,6 +10,10 @@
   from a float32 matmul on the dequantized weights by summation order only. (torch's packed int4 CPU matmul needs
   bfloat16 activations for speed, and for the few rows of a decode step it is
   limited by its unpacking more than by memory.)
+- ``stored_matmul``: the same integer scheme over GGUF rows kept exactly as
+  stored for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (``csrc/matmul_stored.h``: each
+  row decoded once per call; the same bits as ``quant_blocks.block_matmul``,
+  its torch reference, on every instruction set).
 - ``paged_attention``: causal attention over the paged KV cache that computes
   every query row on its own.
 - ``ifb_decoder_forward`` (see ``native_decoder``): a whole decoder stack per call.
@@ -64,6 +68,11 @@ SOURCE_NAME = "qkernels.c"
 BLOCK_BYTES = (18, 20, 34)
 #: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
 CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+
+#: the GGUF types ``stored_matmul`` reads (ggml's type numbers: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+#: with their weights and bytes per block
+STORED_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+STORED_TYPES = tuple(STORED_BLOCKS)
 
 Activations = Literal["int16", "int8", "float32"]
 #: how ``block_matmul`` takes its input rows, as the C code's int8 passes per block:
@@ -141,6 +150,9 @@ class Kernels:
         self._interleave = lib.ifb_interleave
         self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
         self._interleave.restype = None
+        self._stored = lib.ifb_stored_matmul
+        self._stored.argtypes = [ptr, long, long, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, long]
+        self._stored.restype = ctypes.c_int
         self._attention = lib.ifb_paged_attention
         self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, ctypes.c_int, long, ptr, long, ptr,
                                     ptr, long, ctypes.c_float, ptr]
@@ -194,6 +206,32 @@ class Kernels:
             raise MemoryError(f"no memory for the codes of {m} x {k} activations")
         if status != 0:
             raise ValueError(f"unknown block kind {kind}")
+        return out
+
+    def stored_matmul(self, x: torch.Tensor, rows: torch.Tensor, qtype: int, bias: torch.Tensor | None = None, *,
+                      activations: Activations = "int16") -> torch.Tensor:
+        """``x [M, K]`` times GGUF rows ``[N, row bytes]`` (uint8, as stored) of ggml type
+        ``qtype`` (one of ``STORED_TYPES``); float32 ``[M, N]``. ``activations``: ``int16`` or
+        ``int8`` (the integer scheme of ``block_matmul``)."""
+        if activations not in ("int16", "int8"):
+            raise ValueError(f"stored blocks are multiplied with int16 or int8 activations, not {activations!r}")
+        x = _rows(x)
+        m, k = x.shape
+        if not rows.is_contiguous() or rows.dtype != torch.uint8:
+            raise ValueError("stored rows must be contiguous uint8")
+        if int(qtype) not in STORED_BLOCKS:
+            raise ValueError(f"ggml type {qtype} is not read as stored")
+        weights, nbytes = STORED_BLOCKS[int(qtype)]
+        n = rows.shape[0]
+        if rows.dim() != 2 or k % weights or rows.shape[1] != k // weights * nbytes:  # C would read past them
+            raise ValueError(f"{tuple(rows.shape)} stored rows of type {qtype} do not hold {k} input features")
+        out = torch.empty(m, n, dtype=torch.float32)
+        status = self._stored(x.data_ptr(), m, k, rows.data_ptr(), int(qtype), ACTIVATIONS[activations],
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        if status == -1:
+            raise MemoryError(f"no memory for the codes of {m} x {k} activations")
+        if status != 0:
+            raise ValueError(f"ggml type {qtype} with {k} input features is not read as stored")
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,8 +13,17 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
   float32 exactly as the float32 path's dequantization does, so the model
   differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
   (the default model's tied embedding, hence its output head) are read.
+- ``StoredBlockLinear`` for the other types read as stored (Q5_0, Q5_1,
+  Q4_K, Q5_K, Q6_K): the native kernels' ``stored_matmul`` on the rows as the
+  file stores them, with int16 / int8 activations.
+- ``quant_torch.BlockTorchLinear`` for those types otherwise (no native
+  kernels, or float32 activations): the same integer scheme in torch, the
+  same bits as the native kernels' (it is their reference).
 - ``quant_torch.Int4Linear``, when the native kernels cannot be built: torch's
-  int4pack matmul on bfloat16 activations, 4-bit types only.
+  int4pack matmul on bfloat16 activations, Q4_0 / Q4_1 only.
+
+A GGUF that mixes types (``Q4_K_M``: Q4_K, Q6_K and Q8_0 tensors) runs each
+tensor on its own type's path.
 
 Mixture-of-experts layers: each routed expert's gate/up and down become block
 matmuls of their own (``moe.ExpertModules``), cut from llama.cpp's stacked
@@ -32,7 +41,7 @@ output stays identical to solo output.
 from __future__ import annotations
 
 import logging
-from typing import Literal, Mapping
+from typing import Iterable, Literal, Mapping
 
 import attrs
 import gguf
@@ -40,7 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ifb_plugins.common import qkernels, quant_torch
+from ifb_plugins.common import qkernels, quant_blocks, quant_torch
 from ifb_plugins.common.gguf_loader import GGUFTensor
 from ifb_plugins.common.moe import ExpertModules, SparseMoE
 
@@ -51,17 +60,22 @@ Q = gguf.GGMLQuantizationType
 BLOCK = 32
 #: block types read as stored: the native kernels' kind number, and bytes per block
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
-BLOCK_BYTES = {qtype: qkernels.BLOCK_BYTES[kind] for qtype, kind in KINDS.items()}
+#: every block type read as stored (the rest are dequantized to float32 at load)
+STORED = tuple(quant_blocks.SUBBLOCK)
+BLOCK_BYTES = dict(quant_blocks.BLOCK_BYTES)
+#: bits per weight code
+BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 
 Backend = Literal["native", "torch-int4"]
 
 
 @attrs.frozen(eq=False)
 class BlockWeight:
-    """A GGUF matrix ``[N, K]`` as stored: ``blocks`` is ``[N, K / 32 * block bytes]`` uint8.
+    """A GGUF matrix ``[N, K]`` as stored: ``blocks`` is ``[N, K / block weights * block bytes]`` uint8.
 
-    Each row is its 32-weight blocks in GGUF's layout (float16 scale, for Q4_1
-    a float16 minimum, then the codes), rows in HF order.
+    Each row is its blocks in GGUF's layout (for Q4_0 / Q4_1 / Q8_0: float16
+    scale, for Q4_1 a float16 minimum, then the codes; K-quants: super-blocks
+    of 256), rows in HF order.
     """
 
     qtype: gguf.GGMLQuantizationType
@@ -74,7 +88,7 @@ class BlockWeight:
 
     @property
     def bits(self) -> int:
-        return 8 if self.qtype == Q.Q8_0 else 4
+        return BITS[self.qtype]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]``, as the float32 path computes it."""
@@ -83,8 +97,8 @@ class BlockWeight:
 
     def to_int4pack(self) -> quant_torch.Int4Weight:
         """The same 4-bit weight in torch int4pack's convention ``w = (q - 8) * scale + zero``."""
-        if self.bits != 4:
-            raise ValueError("only 4-bit weights map onto torch's int4 kernel")
+        if self.qtype not in (Q.Q4_0, Q.Q4_1):
+            raise ValueError("only Q4_0 / Q4_1 weights map onto torch's int4 kernel")
         n, k = self.shape
         blocks = self.blocks.view(n, k // BLOCK, BLOCK_BYTES[self.qtype])
         scale = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
@@ -98,9 +112,10 @@ class BlockWeight:
         return quant_torch.Int4Weight(codes, scale, zero)
 
 
-def read_blocks(tensor: GGUFTensor) -> BlockWeight | None:
-    """A Q4_0 / Q4_1 / Q8_0 matrix as a ``BlockWeight``; None for any other type."""
-    if tensor.ggml_type not in KINDS or len(tensor.shape) != 2:
+def read_blocks(tensor: GGUFTensor, types: Iterable[gguf.GGMLQuantizationType] = KINDS) -> BlockWeight | None:
+    """A matrix of one of ``types`` (by default those the native kernels multiply, ``KINDS``;
+    ``STORED``: every type read as stored) as a ``BlockWeight``; None for any other."""
+    if tensor.ggml_type not in types or len(tensor.shape) != 2:
         return None
     n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(n, -1).copy()  # off the file's read-only map
@@ -136,6 +151,8 @@ class BlockLinear(nn.Module):
         self.activations = activations
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
+        if weight.qtype not in KINDS:  # quant_torch.BlockTorchLinear multiplies the other types
+            raise ValueError(f"the native kernels do not multiply {weight.qtype.name} blocks")
         self.kind = KINDS[weight.qtype]
         #: the blocks interleaved for the kernels (``Kernels.interleave``)
         self.register_buffer("blocks", kernels.interleave(weight.blocks, self.kind))
@@ -155,6 +172,36 @@ class BlockLinear(nn.Module):
                 f"{self.activations} activations")
 
 
+class StoredBlockLinear(nn.Module):
+    """``nn.Linear``'s call signature over GGUF rows kept as stored (Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K), computed by ``Kernels.stored_matmul`` with integer activations (float32 out)."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, kernels: qkernels.Kernels, *,
+                 activations: qkernels.Activations = "int16") -> None:
+        super().__init__()
+        if int(weight.qtype) not in qkernels.STORED_TYPES:
+            raise ValueError(f"the native kernels do not read {weight.qtype.name} rows as stored")
+        if activations not in ("int16", "int8"):
+            raise ValueError(f"stored blocks take int16 or int8 activations, not {activations!r}")
+        self.activations = activations
+        self.out_features, self.in_features = weight.shape
+        self.qtype = weight.qtype
+        self.register_buffer("blocks", weight.blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = self.kernels.stored_matmul(rows, self.blocks, int(self.qtype), self.bias, activations=self.activations)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks "
+                f"as stored, {self.activations} activations")
+
+
 @attrs.frozen
 class QuantizationReport:
     """What ``quantize_model`` did, for the load log."""
@@ -164,12 +211,15 @@ class QuantizationReport:
     num_kept: int
     head: str
     activations: str = "float32"
+    #: of ``num_quantized``, those on ``quant_torch.BlockTorchLinear`` (types without a native kernel)
+    num_torch: int = 0
 
     def describe(self) -> str:
         if self.backend is None:
             return "float32"
+        torch_note = f" ({self.num_torch} of them in torch, by their block type)" if self.num_torch else ""
         return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}, {self.activations} "
-                "activations), "
+                f"activations){torch_note}, "
                 f"{self.num_kept} in float32, output head {self.head}")
 
 
@@ -194,12 +244,14 @@ class _Swapper:
         self.kernels = qkernels.load() if backend == "native" else None
         if backend == "native" and self.kernels is None:
             raise RuntimeError("the native GGUF kernels cannot be built here (see the warning above)")
+        #: projections put on ``BlockTorchLinear``
+        self.num_torch = 0
 
     def weight(self, name: str) -> BlockWeight | None:
         tensor = self.raw.get(f"{name}.weight")
-        block = None if tensor is None else read_blocks(tensor)
-        if block is not None and self.backend == "torch-int4" and block.bits != 4:
-            return None
+        block = None if tensor is None else read_blocks(tensor, STORED)
+        if block is not None and self.backend == "torch-int4" and block.qtype == Q.Q8_0:
+            return None  # no int4 kernel for it, and torch's integer path would be slower than float32
         return block
 
     def expert_weights(self, name: str) -> list[BlockWeight] | None:
@@ -210,10 +262,18 @@ class _Swapper:
             return None
         return experts
 
-    def module(self, weight: BlockWeight, bias: torch.Tensor | None) -> nn.Module:
-        if self.kernels is not None:
+    def module(self, weight: BlockWeight, bias: torch.Tensor | None, num_parts: int = 1) -> nn.Module:
+        if self.kernels is not None and weight.qtype in KINDS:
             return BlockLinear(weight, bias, self.kernels, activations=self.activations)
-        return quant_torch.Int4Linear(weight.to_int4pack(), bias)
+        if (self.kernels is not None and int(weight.qtype) in qkernels.STORED_TYPES
+                and self.activations in ("int16", "int8")):
+            return StoredBlockLinear(weight, bias, self.kernels, activations=self.activations)
+        if self.kernels is None and weight.qtype in (Q.Q4_0, Q.Q4_1):
+            return quant_torch.Int4Linear(weight.to_int4pack(), bias)
+        self.num_torch += num_parts
+        activations = self.activations if self.kernels is not None else "int16"
+        return quant_torch.BlockTorchLinear(weight.qtype, weight.blocks, weight.in_features, bias,
+                                            activations=activations)
 
 
 def _fused_bias(modules: list[nn.Linear]) -> torch.Tensor | None:
@@ -229,7 +289,7 @@ def _swap_projections(owner: nn.Module, prefix: str, fused: str, parts: tuple[st
     weights = [swap.weight(f"{prefix}.{p}") for p in parts]
     modules = [getattr(owner, p) for p in parts]
     if all(w is not None for w in weights) and len({w.qtype for w in weights}) == 1:  # type: ignore[union-attr]
-        setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules)))  # type: ignore[arg-type]
+        setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules), len(parts)))  # type: ignore[arg-type]
         for p in parts:
             delattr(owner, p)
         done += len(parts)
@@ -298,19 +358,22 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
         a, b = _swap_layer(layer, f"model.layers.{i}", swap)
         done, kept = done + a, kept + b
     head = "float32"
+    num_torch = swap.num_torch
     if done:
         tied = model.config.tie_word_embeddings
         name = "model.embed_tokens" if tied else "lm_head"
         tensor = raw_tensors.get(f"{name}.weight")
-        block = None if tensor is None else read_blocks(tensor)
+        block = None if tensor is None else read_blocks(tensor, STORED)
         if backend == "native" and block is not None:
             model.head = swap.module(block, None)
-            head = f"on GGUF blocks ({tensor.ggml_type.name})"  # type: ignore[union-attr]
+            where = " in torch" if swap.num_torch > num_torch else ""
+            head = f"on GGUF blocks ({tensor.ggml_type.name}{where})"  # type: ignore[union-attr]
         elif backend == "torch-int4":
             weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
             model.head = quant_torch.RescoredHead(weight.detach())
             head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
-    return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations)
+    return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations,
+                              num_torch)
 
 
 def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:

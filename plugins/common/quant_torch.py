@@ -12,13 +12,20 @@ An 8-bit output head (the default model's tied Q8_0 embedding) has no torch
 kernel as fast: it is re-quantized to 4 bits per 32-group for the matmul over
 the vocabulary, and each row's best candidates are re-scored exactly against
 the float32 rows, so greedy picks and top logprobs keep full precision.
+
+``BlockTorchLinear`` multiplies GGUF blocks of every type read as stored
+(``quant_blocks``) on the native kernels' integer scheme, bit for bit: their
+reference, and the path of the block types they do not multiply.
 """
 
 from __future__ import annotations
 
 import attrs
+import gguf
 import torch
 from torch import nn
+
+from ifb_plugins.common import quant_blocks
 
 #: weights per quantization group (a GGUF block)
 GROUP_SIZE = 32
@@ -128,3 +135,40 @@ class RescoredHead(nn.Module):
         top = logits.topk(self.num_rescored, dim=-1, sorted=False).indices  # [N, k]
         exact = torch.bmm(self.weight[top], hidden.float().unsqueeze(-1)).squeeze(-1)  # [N, k]
         return logits.scatter_(1, top, exact)
+
+
+class BlockTorchLinear(nn.Module):
+    """``nn.Linear``'s call signature over GGUF blocks of any type read as stored, in torch.
+
+    The blocks stay as the file stores them (``blocks`` ``[N, row bytes]``
+    uint8) and are decoded chunk by chunk at each call; ``quant_blocks.block_matmul``
+    multiplies them on the native kernels' integer scheme (``int16`` / ``int8``,
+    the same bits as those kernels) or in float32. The reference of the native
+    kernels, and the path for block types they lack. Float32 out.
+    """
+
+    def __init__(self, qtype: gguf.GGMLQuantizationType, blocks: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None, *, activations: str = "int16") -> None:
+        super().__init__()
+        if activations not in ("int16", "int8", "float32"):
+            raise ValueError(f"activations must be one of int16, int8, float32, not {activations!r}")
+        if qtype not in quant_blocks.SUBBLOCK:
+            raise ValueError(f"{qtype.name} blocks are not read as stored")
+        if in_features % quant_blocks.BLOCK_WEIGHTS[qtype]:
+            raise ValueError(f"in_features {in_features} is not a multiple of {qtype.name}'s block")
+        self.qtype = qtype
+        self.activations = activations
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features)
+        out = quant_blocks.block_matmul(rows, self.qtype, self.blocks, self.bias, self.activations)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks "
+                f"(torch), {self.activations} activations")

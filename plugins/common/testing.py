@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import gguf
 import numpy as np
@@ -192,11 +192,16 @@ def save_tiny_gguf(
     path: str | Path,
     weight_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q4_1,
     embed_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
+    *,
+    tensor_types: Mapping[str, gguf.GGMLQuantizationType] | None = None,
+    quantize: Callable[[np.ndarray, gguf.GGMLQuantizationType], np.ndarray] = gguf.quants.quantize,
 ) -> Path:
     """Convert a tiny *llama* checkpoint to GGUF the way llama.cpp does (Q/K permuted, quantized).
 
     Matrices use ``weight_type`` and the embedding ``embed_type`` (the default
-    model's layout); norms stay float32. The tokenizer goes into
+    model's layout); norms stay float32. ``tensor_types`` (GGUF tensor name ->
+    type) overrides a matrix's type (a mix, as llama.cpp's ``Q4_K_M``), and
+    ``quantize`` writes the blocks (for types ``gguf`` cannot quantize). The tokenizer goes into
     ``tokenizer.ggml.*`` metadata with pre-tokenizer ``smollm``.
     """
     hf_dir, path = Path(hf_dir), Path(path)
@@ -249,10 +254,12 @@ def save_tiny_gguf(
         elif name.endswith("k_proj.weight"):
             data = _llama_cpp_permute(data, kv_heads)
         qtype = embed_type if gname == "token_embd.weight" else weight_type if data.ndim == 2 else None
+        if qtype is not None and tensor_types and gname in tensor_types:
+            qtype = tensor_types[gname]
         if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, data)
         else:
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gname, quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -45,6 +45,7 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 #include "attention.h"
 #include "argmax.h"
 #include "pool.h"
+#include "matmul_stored.h"
 
 /* ---- the entry points (qkernels.py) ---- */
 

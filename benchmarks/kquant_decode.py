@@ -1,0 +1,154 @@
+"""Decode speed on a K-quant GGUF: each tensor on its own block type's kernel vs the same file in float32.
+
+Writes a random-weight GGUF of Qwen2-0.5B's shape (hidden 896, intermediate 4864, 14 heads, 2 KV
+heads, vocab 151936; ``--layers`` of them) in llama.cpp's ``Q4_K_M`` mix for that shape: the
+896-wide inputs are not whole 256-weight super-blocks, so llama.cpp puts Q/K/V/O and gate/up on
+its fallbacks (Q5_0, and Q8_0 for V in the layers that get more bits), ``ffn_down`` (4864 wide) on
+Q6_K / Q4_K, the tied embedding on Q8_0. The blocks are random valid bytes (speed does not depend
+on the values). Then, one model at a time, greedy decoding from an 8-token prompt:
+
+- ``native``: ``quantize_model`` (Q5_0 / Q4_K / Q6_K rows as stored on ``stored_matmul``, Q8_0 on
+  the interleaved kernel, int16 activations), the native attention;
+- ``float32``: the file dequantized at load (``load_gguf``), torch's matmuls.
+
+Both models are built first, then measured in A-B-B-A order. Decode tokens/s is ``(N - 1)``
+tokens over the time after the first one.
+
+    python benchmarks/kquant_decode.py --layers 24 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 896, 4864, 14, 2, 151936
+
+
+def layer_types(i: int, num_layers: int) -> dict[str, Q]:
+    """llama.cpp's Q4_K_M choice for a Qwen2-0.5B layer (more bits for V and down in some layers)."""
+    more = i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
+    return {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0 if more else Q.Q5_0, "attn_output": Q.Q5_0,
+            "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K if more else Q.Q4_K}
+
+
+def random_rows(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks: random bytes, float16 scales small enough for sane activations."""
+    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
+    offsets = {Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for offset in offsets:
+        raw[..., offset:offset + 2] = np.full((n, k // weights, 1), 2e-4, np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def write_gguf(path: Path, num_layers: int, seed: int = 0) -> dict[str, int]:
+    """The file, and how many tensors of each type it holds."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(num_layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    counts: dict[str, int] = {}
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN),
+              "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
+
+    def add(name: str, qtype: Q, n: int, k: int) -> None:
+        w.add_tensor(name, random_rows(qtype, n, k, rng), raw_dtype=qtype)
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+
+    add("token_embd.weight", Q.Q8_0, VOCAB, HIDDEN)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(num_layers):
+        for name, qtype in layer_types(i, num_layers).items():
+            add(f"blk.{i}.{name}.weight", qtype, *shapes[name])
+        for name, size in (("attn_q", HIDDEN), ("attn_k", kv), ("attn_v", kv)):
+            w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(size) * 0.01).astype(np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return counts
+
+
+def decode_rate(model: torch.nn.Module, num_tokens: int) -> float:
+    from ifb_plugins.common.testing import greedy_generate
+
+    prompt = list(range(100, 108))
+    greedy_generate(model, prompt, 2, block_size=16)  # warm-up
+    start = time.perf_counter()
+    greedy_generate(model, prompt, 1, block_size=16)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    greedy_generate(model, prompt, num_tokens, block_size=16)
+    return (num_tokens - 1) / (time.perf_counter() - start - first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    from ifb_plugins.common import qkernels, quant
+    from ifb_plugins.common.gguf_loader import load_gguf, read_gguf_tensors
+    from ifb_plugins.common.loader import build_model
+
+    torch.set_num_threads(args.threads)
+    kernels = qkernels.load()
+    if kernels is None:
+        raise SystemExit("the native kernels cannot be built here")
+    kernels.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "qwen2-0.5b-shape-q4_k_m.gguf"
+        counts = write_gguf(path, args.layers)
+        print(f"{path.name}: {path.stat().st_size / 2**20:.0f} MiB, {args.layers} layers, tensors {counts}")
+        models = {}
+        for mode in ("native", "float32"):
+            config, state, _ = load_gguf(path)
+            model = build_model(types.SimpleNamespace(config=config, state_dict=state))
+            del state
+            if mode == "native":
+                report = quant.quantize_model(model, read_gguf_tensors(path), "native")
+                quant.use_native_attention(model, kernels)
+                print("native:", report.describe())
+            gc.collect()
+            weight_bytes = sum(b.numel() * b.element_size() for b in [*model.parameters(), *model.buffers()])
+            print(f"{mode}: {weight_bytes / 2**20:.0f} MiB of weights and buffers")
+            models[mode] = model
+        print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB (both models)")
+        rates: dict[str, list[float]] = {"native": [], "float32": []}
+        for mode in ("native", "float32", "float32", "native"):  # A-B-B-A: drifting load hits both alike
+            rates[mode].append(decode_rate(models[mode], args.tokens))
+            print(f"{mode}: {rates[mode][-1]:.2f} decode tokens/s")
+        means = {mode: sum(r) / len(r) for mode, r in rates.items()}
+        print(f"mean native {means['native']:.2f}, float32 {means['float32']:.2f} decode tokens/s: "
+              f"native / float32 {means['native'] / means['float32']:.2f}x")
+
+if __name__ == "__main__":
+    main()
