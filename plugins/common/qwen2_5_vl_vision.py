@@ -26,6 +26,27 @@ from ifb_plugins.common.vision import activation
 NORM_EPS = 1e-6
 
 
+def tower_fields(cls: type, cfg: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``cls``'s defaults and the fields of a Qwen vision config that Qwen2.5-VL's and Qwen3-VL's read alike
+    from a ``vision_config``: the sizes (required), the patching, the activation and the rotary base."""
+    base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
+    try:
+        depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
+        inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
+    except KeyError as exc:
+        raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
+    rope = cfg.get("rope_parameters") or {}
+    return base, dict(
+        depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
+        patch_size=int(cfg.get("patch_size", base.patch_size)),
+        temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
+        spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
+        in_channels=int(cfg.get("in_channels", base.in_channels)),
+        hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
+        rope_theta=float(rope.get("rope_theta", base.rope_theta)),
+    )
+
+
 @attrs.frozen
 class Qwen2_5VisionConfig:
     """``vision_config`` of a ``Qwen2_5_VLConfig``."""
@@ -50,24 +71,12 @@ class Qwen2_5VisionConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> Qwen2_5VisionConfig:
-        base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
-        try:
-            depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
-            inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
-        except KeyError as exc:
-            raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
-        rope = cfg.get("rope_parameters") or {}
+        base, fields = tower_fields(cls, cfg)
         config = cls(
-            depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
-            patch_size=int(cfg.get("patch_size", base.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
-            window_size=int(cfg.get("window_size", base.window_size)),
+            **fields, window_size=int(cfg.get("window_size", base.window_size)),
             fullatt_block_indexes=tuple(int(i) for i in cfg.get("fullatt_block_indexes", base.fullatt_block_indexes)),
-            in_channels=int(cfg.get("in_channels", base.in_channels)),
-            hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
-            rope_theta=float(rope.get("rope_theta", base.rope_theta)),
         )
+        hidden, heads = config.hidden_size, config.num_heads
         if hidden % heads or config.head_dim % 4:
             raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head dim divisible by 4 "
                              "(2D rotary over height and width)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.qwen2_5_vl_vision import VisionBlock, check_grid, patch_positions, rotary_2d
+from ifb_plugins.common.qwen2_5_vl_vision import VisionBlock, check_grid, patch_positions, rotary_2d, tower_fields
 from ifb_plugins.common.vision import activation
 
 NORM_EPS = 1e-6
@@ -52,25 +52,13 @@ class Qwen3VisionConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> Qwen3VisionConfig:
-        base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
-        try:
-            depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
-            inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
-        except KeyError as exc:
-            raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
-        rope = cfg.get("rope_parameters") or {}
+        base, fields = tower_fields(cls, cfg)
         config = cls(
-            depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
-            num_position_embeddings=int(cfg.get("num_position_embeddings", base.num_position_embeddings)),
+            **fields, num_position_embeddings=int(cfg.get("num_position_embeddings", base.num_position_embeddings)),
             deepstack_visual_indexes=tuple(int(i) for i in cfg.get("deepstack_visual_indexes",
                                                                    base.deepstack_visual_indexes)),
-            patch_size=int(cfg.get("patch_size", base.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
-            in_channels=int(cfg.get("in_channels", base.in_channels)),
-            hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
-            rope_theta=float(rope.get("rope_theta", base.rope_theta)),
         )
+        hidden, heads = config.hidden_size, config.num_heads
         if hidden % heads or config.head_dim % 4:
             raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head dim divisible by 4")
         if math.isqrt(config.num_position_embeddings) ** 2 != config.num_position_embeddings:
