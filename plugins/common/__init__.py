@@ -23,7 +23,8 @@ and the names without a leading underscore of the modules in ``PUBLIC_MODULES``:
   paged KV cache (``AttnMetadata``, ``build_attn_metadata``, ``write_kv``);
 - ``media`` and ``mel``: OpenAI-style image / audio content parts (parsing, inline or local
   fetching, decoding: ``parse_messages``, ``MediaItem``) and Whisper's log-mel features in numpy
-  (``log_mel_features``, ``resample_linear``);
+  (``log_mel_features``, ``resample_linear``); ``media_prompt``: media placeholders expanded at
+  admission and their embeddings spliced into a step (``expand_media``, ``splice_embeddings``);
 - ``vision``, ``qwen2_5_vl_vision``, ``qwen3_vl_vision``: vision towers (CLIP / SigLIP, Qwen2.5-VL's,
   Qwen3-VL's, which Qwen3-Omni's Thinker shares) and ``image_ops``, ``qwen2_5_vl_image``: their image
   preprocessing (Qwen2-VL's smart resize and patches); ``deepstack``: the decoder that adds
@@ -50,7 +51,7 @@ from typing import Any
 #: the modules whose public names (no leading underscore) a plugin may import
 PUBLIC_MODULES = (
     "caps", "runtime", "sampling", "tokenizer", "prompt", "config", "loader", "hf_loader", "gguf_loader",
-    "model", "attention", "media", "mel", "vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "image_ops",
+    "model", "attention", "media", "media_prompt", "mel", "vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "image_ops",
     "qwen2_5_vl_image", "deepstack", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
     "guided", "syscache", "testing", "testing_moe",
 )

@@ -92,6 +92,26 @@ def normalize(pixels: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...
     return ((pixels.T - mean_a) / std_a).T
 
 
+def to_float(pixels: np.ndarray, settings: Any) -> np.ndarray:
+    """``[C, H, W]`` uint8 as float32, rescaled and normalized as ``settings`` (``do_rescale``,
+    ``rescale_factor``, ``do_normalize``, ``image_mean``, ``image_std``) say."""
+    out = rescale(pixels, settings.rescale_factor) if settings.do_rescale else pixels.astype(np.float32)
+    return normalize(out, settings.image_mean, settings.image_std) if settings.do_normalize else out
+
+
+def pixel_settings(cfg: Mapping[str, Any], base: Any) -> dict[str, Any]:
+    """The RGB, rescale and normalize settings of a processor config, read as every processor reads
+    them; what ``cfg`` omits keeps ``base``'s."""
+    return dict(
+        do_rescale=bool(cfg.get("do_rescale", base.do_rescale)),
+        rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
+        do_normalize=bool(cfg.get("do_normalize", base.do_normalize)),
+        image_mean=tuple(float(x) for x in cfg.get("image_mean", base.image_mean)),
+        image_std=tuple(float(x) for x in cfg.get("image_std", base.image_std)),
+        do_convert_rgb=bool(cfg.get("do_convert_rgb", base.do_convert_rgb)),
+    )
+
+
 def _size(raw: Any, where: str) -> dict[str, int]:
     if isinstance(raw, int):
         return {"height": raw, "width": raw}
@@ -127,12 +147,7 @@ class ImageProcessing:
             do_resize=bool(cfg.get("do_resize", base.do_resize)),
             do_center_crop=bool(cfg.get("do_center_crop", base.do_center_crop)),
             crop_size=_size(cfg["crop_size"], "crop_size") if cfg.get("crop_size") else base.crop_size,
-            do_rescale=bool(cfg.get("do_rescale", base.do_rescale)),
-            rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
-            do_normalize=bool(cfg.get("do_normalize", base.do_normalize)),
-            image_mean=tuple(float(x) for x in cfg.get("image_mean", base.image_mean)),
-            image_std=tuple(float(x) for x in cfg.get("image_std", base.image_std)),
-            do_convert_rgb=bool(cfg.get("do_convert_rgb", base.do_convert_rgb)),
+            **pixel_settings(cfg, base),
             do_pad=bool(cfg.get("do_pad", base.do_pad) or False),
         )
 
@@ -155,10 +170,7 @@ class ImageProcessing:
             pixels = resize(pixels, *self.output_size(*pixels.shape[1:]), self.resample)
         if self.do_center_crop:
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        out = rescale(pixels, self.rescale_factor) if self.do_rescale else pixels.astype(np.float32)
-        if self.do_normalize:
-            out = normalize(out, self.image_mean, self.image_std)
-        return out
+        return to_float(pixels, self)
 
 
 SIGLIP_DEFAULTS = ImageProcessing(size={"height": 224, "width": 224}, do_center_crop=False,

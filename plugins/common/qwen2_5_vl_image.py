@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 from PIL import Image
 
-from ifb_plugins.common.image_ops import normalize, rescale, resample_filter, resize, to_array, to_rgb
+from ifb_plugins.common.image_ops import pixel_settings, resample_filter, resize, to_array, to_float, to_rgb
 
 #: transformers' ``OPENAI_CLIP_MEAN`` / ``OPENAI_CLIP_STD``, the processor's defaults
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -76,12 +76,7 @@ class QwenVLImageProcessing:
             merge_size=int(cfg.get("merge_size", base.merge_size)),
             resample=resample_filter(cfg.get("resample", base.resample)),
             do_resize=bool(cfg.get("do_resize", base.do_resize)),
-            do_rescale=bool(cfg.get("do_rescale", base.do_rescale)),
-            rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
-            do_normalize=bool(cfg.get("do_normalize", base.do_normalize)),
-            image_mean=tuple(float(x) for x in cfg.get("image_mean", base.image_mean)),
-            image_std=tuple(float(x) for x in cfg.get("image_std", base.image_std)),
-            do_convert_rgb=bool(cfg.get("do_convert_rgb", base.do_convert_rgb)),
+            **pixel_settings(cfg, base),
         )
 
     @property
@@ -97,10 +92,7 @@ class QwenVLImageProcessing:
         pixels = to_array(to_rgb(image) if self.do_convert_rgb else image)  # [C, H, W] uint8
         if self.do_resize:
             pixels = resize(pixels, *self.resized_size(*pixels.shape[1:]), self.resample)
-        out = rescale(pixels, self.rescale_factor) if self.do_rescale else pixels.astype(np.float32)
-        if self.do_normalize:
-            out = normalize(out, self.image_mean, self.image_std)
-        return self.patchify(out)
+        return self.patchify(to_float(pixels, self))
 
     def patchify(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Cut ``[C, H, W]`` into rows of ``C * T * P * P``, merge blocks contiguous (the processor's order)."""

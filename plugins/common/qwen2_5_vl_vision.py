@@ -12,7 +12,7 @@ tokens, H the text model's hidden size, W windows.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import torch
@@ -24,6 +24,27 @@ from ifb_plugins.common.vision import activation
 
 #: the tower's RMSNorms, fixed in the reference implementation (not in the config)
 NORM_EPS = 1e-6
+
+
+def tower_fields(cls: type, cfg: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``cls``'s defaults and the fields of a Qwen vision config that Qwen2.5-VL's and Qwen3-VL's read alike
+    from a ``vision_config``: the sizes (required), the patching, the activation and the rotary base."""
+    base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
+    try:
+        depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
+        inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
+    except KeyError as exc:
+        raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
+    rope = cfg.get("rope_parameters") or {}
+    return base, dict(
+        depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
+        patch_size=int(cfg.get("patch_size", base.patch_size)),
+        temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
+        spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
+        in_channels=int(cfg.get("in_channels", base.in_channels)),
+        hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
+        rope_theta=float(rope.get("rope_theta", base.rope_theta)),
+    )
 
 
 @attrs.frozen
@@ -50,24 +71,12 @@ class Qwen2_5VisionConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> Qwen2_5VisionConfig:
-        base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
-        try:
-            depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
-            inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
-        except KeyError as exc:
-            raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
-        rope = cfg.get("rope_parameters") or {}
+        base, fields = tower_fields(cls, cfg)
         config = cls(
-            depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
-            patch_size=int(cfg.get("patch_size", base.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
-            window_size=int(cfg.get("window_size", base.window_size)),
+            **fields, window_size=int(cfg.get("window_size", base.window_size)),
             fullatt_block_indexes=tuple(int(i) for i in cfg.get("fullatt_block_indexes", base.fullatt_block_indexes)),
-            in_channels=int(cfg.get("in_channels", base.in_channels)),
-            hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
-            rope_theta=float(rope.get("rope_theta", base.rope_theta)),
         )
+        hidden, heads = config.hidden_size, config.num_heads
         if hidden % heads or config.head_dim % 4:
             raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head dim divisible by 4 "
                              "(2D rotary over height and width)")
@@ -81,6 +90,26 @@ def patch_positions(grid_t: int, grid_h: int, grid_w: int, merge: int) -> torch.
     blocks = (grid_h // merge, merge, grid_w // merge, merge)
     rows, cols = (x.reshape(blocks).transpose(1, 2).flatten() for x in (rows, cols))
     return torch.stack((rows, cols), dim=-1).repeat(grid_t, 1)
+
+
+def rotary_2d(cfg: Any, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[N, d]`` of a tower with ``head_dim``, ``rope_theta`` and ``spatial_merge_size``:
+    the first half of each head rotates by row, the second by column."""
+    half = cfg.head_dim // 2  # rows and columns each rotate half of the head dim
+    # float32 from the config, never a cast buffer (the tower may be built on the meta device)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+    pos = patch_positions(*grid, cfg.spatial_merge_size).to(device)  # [N, 2]
+    freqs = pos[..., None].float() * inv_freq  # [N, 2, d/4]
+    emb = freqs.flatten(1)  # [N, d/2]: row frequencies, then column frequencies
+    emb = torch.cat((emb, emb), dim=-1)  # [N, d]
+    return emb.cos(), emb.sin()
+
+
+def check_grid(num_patches: int, grid: tuple[int, int, int], merge: int) -> None:
+    """Refuse ``num_patches`` that do not tile the ``(t, h, w)`` grid in ``merge x merge`` blocks."""
+    t, h, w = grid
+    if num_patches != t * h * w or h % merge or w % merge:
+        raise ValueError(f"{num_patches} patches do not form a {t}x{h}x{w} grid of {merge}x{merge} blocks")
 
 
 def window_order(grid_t: int, grid_h: int, grid_w: int, merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -172,13 +201,21 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def rms_norm(dim: int) -> nn.Module:
+    return RMSNorm(dim, NORM_EPS)
+
+
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen2_5VisionConfig) -> None:
+    """Pre-norm attention then MLP, each residual; ``norm(dim)`` and ``mlp(cfg)`` make the tower's own
+    (Qwen2.5-VL's: RMSNorm and the gated MLP; Qwen3-VL's: LayerNorm and a plain one)."""
+
+    def __init__(self, cfg: Any, norm: Callable[[int], nn.Module] = rms_norm,
+                 mlp: Callable[[Any], nn.Module] = VisionMLP) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, NORM_EPS)
-        self.norm2 = RMSNorm(cfg.hidden_size, NORM_EPS)
+        self.norm1 = norm(cfg.hidden_size)
+        self.norm2 = norm(cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = mlp(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int],
                 need_received: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,18 +260,6 @@ class Qwen2_5VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
-    def rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` ``[N, d]``: the first half of each head rotates by row, the second by column."""
-        cfg = self.config
-        half = cfg.head_dim // 2  # rows and columns each rotate half of the head dim
-        # float32 from the config, never a cast buffer (the tower may be built on the meta device)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
-        pos = patch_positions(*grid, cfg.spatial_merge_size).to(device)  # [N, 2]
-        freqs = pos[..., None].float() * inv_freq  # [N, 2, d/4]
-        emb = freqs.flatten(1)  # [N, d/2]: row frequencies, then column frequencies
-        emb = torch.cat((emb, emb), dim=-1)  # [N, d]
-        return emb.cos(), emb.sin()
-
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings ``[M, H]`` of one image and each one's importance ``[M]``.
@@ -247,9 +272,7 @@ class Qwen2_5VisionTower(nn.Module):
         cfg = self.config
         unit = cfg.spatial_merge_size ** 2
         t, h, w = grid
-        if pixel_values.shape[0] != t * h * w or h % cfg.spatial_merge_size or w % cfg.spatial_merge_size:
-            raise ValueError(f"{pixel_values.shape[0]} patches do not form a {t}x{h}x{w} grid of "
-                             f"{cfg.spatial_merge_size}x{cfg.spatial_merge_size} blocks")
+        check_grid(pixel_values.shape[0], grid, cfg.spatial_merge_size)
         window = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         order, window_bounds = window_order(t, h, w, cfg.spatial_merge_size, window)
         order = order.to(pixel_values.device)
@@ -260,7 +283,7 @@ class Qwen2_5VisionTower(nn.Module):
             return x.reshape(n // unit, unit, -1).index_select(0, order).reshape(n, -1)
 
         x = by_window(self.patch_embed(pixel_values))  # [N, D]
-        cos, sin = (by_window(c) for c in self.rotary(grid, pixel_values.device))  # [N, d]
+        cos, sin = (by_window(c) for c in rotary_2d(cfg, grid, pixel_values.device))  # [N, d]
         received = None
         for i, block in enumerate(self.blocks):
             bounds = full_bounds if i in cfg.fullatt_block_indexes else window_bounds

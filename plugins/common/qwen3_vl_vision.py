@@ -14,6 +14,7 @@ text model's hidden size, K DeepStack layers.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Mapping
 
 import attrs
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.qwen2_5_vl_vision import VisionAttention, patch_positions
+from ifb_plugins.common.qwen2_5_vl_vision import VisionBlock, check_grid, patch_positions, rotary_2d, tower_fields
 from ifb_plugins.common.vision import activation
 
 NORM_EPS = 1e-6
@@ -51,25 +52,13 @@ class Qwen3VisionConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> Qwen3VisionConfig:
-        base = cls(depth=0, hidden_size=0, intermediate_size=0, num_heads=0, out_hidden_size=0)
-        try:
-            depth, hidden = int(cfg["depth"]), int(cfg["hidden_size"])
-            inter, heads, out = int(cfg["intermediate_size"]), int(cfg["num_heads"]), int(cfg["out_hidden_size"])
-        except KeyError as exc:
-            raise ValueError(f"vision_config is missing {exc.args[0]!r}") from None
-        rope = cfg.get("rope_parameters") or {}
+        base, fields = tower_fields(cls, cfg)
         config = cls(
-            depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads, out_hidden_size=out,
-            num_position_embeddings=int(cfg.get("num_position_embeddings", base.num_position_embeddings)),
+            **fields, num_position_embeddings=int(cfg.get("num_position_embeddings", base.num_position_embeddings)),
             deepstack_visual_indexes=tuple(int(i) for i in cfg.get("deepstack_visual_indexes",
                                                                    base.deepstack_visual_indexes)),
-            patch_size=int(cfg.get("patch_size", base.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", base.spatial_merge_size)),
-            in_channels=int(cfg.get("in_channels", base.in_channels)),
-            hidden_act=str(cfg.get("hidden_act", base.hidden_act)),
-            rope_theta=float(rope.get("rope_theta", base.rope_theta)),
         )
+        hidden, heads = config.hidden_size, config.num_heads
         if hidden % heads or config.head_dim % 4:
             raise ValueError(f"vision hidden_size {hidden} over {heads} heads must give a head dim divisible by 4")
         if math.isqrt(config.num_position_embeddings) ** 2 != config.num_position_embeddings:
@@ -86,21 +75,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen3VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=NORM_EPS)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int],
-                need_received: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn, received = self.attn(self.norm1(x), cos, sin, bounds, need_received)
-        x = x + attn
-        return x + self.mlp(self.norm2(x)), received
 
 
 class PatchMerger(nn.Module):
@@ -140,7 +114,8 @@ class Qwen3VisionTower(nn.Module):
         self.config = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        norm = partial(nn.LayerNorm, eps=NORM_EPS)
+        self.blocks = nn.ModuleList(VisionBlock(cfg, norm=norm, mlp=VisionMLP) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes)
@@ -154,16 +129,6 @@ class Qwen3VisionTower(nn.Module):
         pos = patch_positions(t, h, w, self.config.spatial_merge_size).to(table.device)  # [N, 2]
         return resized[:, pos[:, 0], pos[:, 1]].transpose(0, 1)
 
-    def rotary(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Qwen2.5-VL's: the first half of each head rotates by row, the second by column."""
-        cfg = self.config
-        half = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
-        pos = patch_positions(*grid, cfg.spatial_merge_size).to(device)
-        emb = (pos[..., None].float() * inv_freq).flatten(1)  # [N, d/2]
-        emb = torch.cat((emb, emb), dim=-1)
-        return emb.cos(), emb.sin()
-
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor,
                 grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,12 +139,10 @@ class Qwen3VisionTower(nn.Module):
         cfg = self.config
         unit = cfg.spatial_merge_size ** 2
         t, h, w = grid
-        if pixel_values.shape[0] != t * h * w or h % cfg.spatial_merge_size or w % cfg.spatial_merge_size:
-            raise ValueError(f"{pixel_values.shape[0]} patches do not form a {t}x{h}x{w} grid of "
-                             f"{cfg.spatial_merge_size}x{cfg.spatial_merge_size} blocks")
+        check_grid(pixel_values.shape[0], grid, cfg.spatial_merge_size)
         bounds = [0] + [h * w * (i + 1) for i in range(t)]  # attention within each frame
         x = self.patch_embed(pixel_values) + self.positions(grid)  # [N, D]
-        cos, sin = self.rotary(grid, pixel_values.device)
+        cos, sin = rotary_2d(cfg, grid, pixel_values.device)  # the 2D rotary of Qwen2.5-VL
         deepstack, received = [], None
         for i, block in enumerate(self.blocks):
             x, received = block(x, cos, sin, bounds, need_received=i == len(self.blocks) - 1)

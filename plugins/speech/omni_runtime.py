@@ -36,7 +36,7 @@ from ifb_plugins.common.attention import build_attn_metadata
 from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.common.deepstack import build_text_model
 from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.mrope import step_positions
+from ifb_plugins.common.media_prompt import media_step_positions, splice_embeddings
 from ifb_plugins.common.model import rope_table
 from ifb_plugins.common.moe import fuse_expert_state
 from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
@@ -44,7 +44,7 @@ from ifb_plugins.common.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
 from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder
-from ifb_plugins.speech.omni_media import MEDIA_POSITIONS, prepare_media, splice_embeddings
+from ifb_plugins.speech.omni_media import prepare_media
 from ifb_plugins.speech.omni_vision import OmniImageEncoder, load_image_encoder
 from ifb_plugins.speech.omni_talker import OmniTalker, ThinkerStates, load_talker
 from ifb_plugins.speech.tts_model import Sampling
@@ -153,8 +153,7 @@ class OmniRuntime(TextRuntime):
         """M-RoPE ids ``[3, T]``: an image prompt's from its grid, every other sequence's its token indices."""
         if self.model.config.mrope_section is None:
             return super().step_positions(step)
-        spans = [(s.extras.get(MEDIA_POSITIONS), s.start_pos, len(s.token_ids)) for s in step.seqs]
-        return step_positions(spans).to(self.device)
+        return media_step_positions(step).to(self.device)
 
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's token embeddings with its audio and image rows spliced in (None for text alone)."""

@@ -71,12 +71,7 @@ class TileProcessing:
             tile_side=int((cfg.get("max_image_size") or {}).get("longest_edge", base.tile_side)),
             resample=image_ops.resample_filter(cfg["resample"]) if "resample" in cfg else base.resample,
             do_image_splitting=bool(cfg.get("do_image_splitting", base.do_image_splitting)),
-            do_rescale=bool(cfg.get("do_rescale", base.do_rescale)),
-            rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
-            do_normalize=bool(cfg.get("do_normalize", base.do_normalize)),
-            image_mean=tuple(float(x) for x in cfg.get("image_mean", base.image_mean)),
-            image_std=tuple(float(x) for x in cfg.get("image_std", base.image_std)),
-            do_convert_rgb=bool(cfg.get("do_convert_rgb", base.do_convert_rgb)),
+            **image_ops.pixel_settings(cfg, base),
         )
 
     def _longest_edge_size(self, height: int, width: int) -> tuple[int, int]:
@@ -125,11 +120,7 @@ class TileProcessing:
                 frames = [pixels]
         else:
             frames = [image_ops.resize(pixels, m, m, self.resample)]
-        out = []
-        for frame in frames:
-            frame = image_ops.rescale(frame, self.rescale_factor) if self.do_rescale else frame.astype(np.float32)
-            out.append(image_ops.normalize(frame, self.image_mean, self.image_std) if self.do_normalize else frame)
-        return np.stack(out), rows, cols
+        return np.stack([image_ops.to_float(frame, self) for frame in frames]), rows, cols
 
 
 def bucketed_position_ids(grid: int, num_positions_side: int, device: torch.device) -> torch.Tensor:

@@ -10,7 +10,6 @@ batch like any other.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import attrs
@@ -22,16 +21,11 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
 from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.mrope import prompt_positions, step_positions
 from ifb_plugins.common.runtime import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
 from ifb_plugins.common.media import MediaItem, parse_messages
+from ifb_plugins.common.media_prompt import MEDIA, MediaSpan, expand_media, media_step_positions, splice_embeddings
 from ifb_plugins.vlm.pruning import prune
-
-#: ``Prepared.extras`` keys: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order; the KV salt (a
-#: digest of the media bytes, for the context cache); a marker that the request carries media; and
-#: the prompt's ``mrope.MropePositions`` for families with multi-axis positions (M-RoPE).
-MEDIA_EMBEDS, KV_SALT, MEDIA, MEDIA_POSITIONS = "media_embeds", "kv_salt", "media", "media_positions"
 
 #: audio arrives resampled to this rate unless an encoder asks for another
 DEFAULT_SAMPLING_RATE = 16000
@@ -67,31 +61,14 @@ class VlmRuntime(TextRuntime):
             raise InvalidRequest(self._mismatch(found, media))
         if not media:
             return prepared
-        expanded: list[int] = []
-        spans: list[tuple[torch.Tensor, torch.Tensor]] = []
-        positions: list[tuple[int, torch.Tensor]] = []
-        salt = hashlib.blake2b(digest_size=16)
-        at = 0
-        dtype = self.model.model.embed_tokens.weight.dtype
-        for (index, kind), item in zip(found, media, strict=True):
-            expanded += ids[at:index]
-            encoded = self.encode(item)
-            start = len(expanded)
-            rows = [start + j for j, t in enumerate(encoded.token_ids) if t == encoded.embed_token_id]
-            spans.append((torch.tensor(rows, dtype=torch.long), encoded.embeds.to(self.device, dtype)))
-            if encoded.position_ids is not None:
-                positions.append((start, encoded.position_ids))
-            expanded += encoded.token_ids
-            at = index + 1
-            salt.update(kind.encode() + item.digest)
-        expanded += ids[at:]
-        if len(expanded) > self.max_model_len:
-            raise InvalidRequest(f"the prompt with its media is {len(expanded)} tokens; this deployment's context "
-                                 f"is {self.max_model_len}")
-        extras = {**prepared.extras, MEDIA_EMBEDS: spans, KV_SALT: salt.hexdigest(), MEDIA: True}
-        if positions:
-            extras[MEDIA_POSITIONS] = prompt_positions(len(expanded), positions)
-        return Prepared(tuple(expanded), extras)
+        return expand_media(prepared, found, media, self._span, max_model_len=self.max_model_len,
+                            device=self.device, dtype=self.model.model.embed_tokens.weight.dtype)
+
+    def _span(self, item: MediaItem) -> MediaSpan:
+        encoded = self.encode(item)
+        rows = [j for j, t in enumerate(encoded.token_ids) if t == encoded.embed_token_id]
+        return MediaSpan(encoded.token_ids, torch.tensor(rows, dtype=torch.long), encoded.embeds,
+                         encoded.position_ids)
 
     def _render(self, messages: list[dict]) -> str:
         template = self.tokenizer.chat_template or ""
@@ -127,8 +104,7 @@ class VlmRuntime(TextRuntime):
         """M-RoPE decoders take ``[3, T]`` ids, each sequence's from its own prompt (text alone: its index)."""
         if self.model.config.mrope_section is None:
             return super().step_positions(step)
-        spans = [(s.extras.get(MEDIA_POSITIONS), s.start_pos, len(s.token_ids)) for s in step.seqs]
-        return step_positions(spans).to(self.device)
+        return media_step_positions(step).to(self.device)
 
     def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with each chunk's media rows replaced by their media embeddings.
@@ -136,21 +112,7 @@ class VlmRuntime(TextRuntime):
         A prefill chunk covers prompt positions ``start_pos .. start_pos + n``;
         it may hold only part of a media item's rows, so each is clipped to it.
         """
-        patches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        offset = 0
-        for seq in step.seqs:
-            n = len(seq.token_ids)
-            for rows, embeds in seq.extras.get(MEDIA_EMBEDS, ()):
-                inside = (rows >= seq.start_pos) & (rows < seq.start_pos + n)
-                if bool(inside.any()):
-                    patches.append((rows[inside] - seq.start_pos + offset, embeds[inside.to(embeds.device)]))
-            offset += n
-        if not patches:
-            return None  # text only: the model embeds the ids itself
-        embeds = self.model.model.embed_tokens(input_ids)  # [T, H]
-        for rows, values in patches:
-            embeds[rows.to(embeds.device)] = values
-        return embeds
+        return splice_embeddings(step, input_ids, self.model.model.embed_tokens)
 
     # ---- blocking path ----
     def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
