@@ -48,11 +48,11 @@ def _b64decode(text: str, where: str) -> bytes:
         raise InvalidRequest(f"{where} is not valid base64") from None
 
 
-def _read_local(path: Path, where: str, allowed_dir: Path | None) -> bytes:
+def _read_local(path: Path, where: str, allowed_dir: Path | None, allow_hint: str | None = None) -> bytes:
     # A client naming server files is only allowed inside a directory the operator chose.
     if allowed_dir is None:
-        raise InvalidRequest(f"{where}: local files are not allowed; send the media inline as a data: URL "
-                             "(or start the server with --allowed-local-media-path DIR)")
+        hint = f" (or {allow_hint})" if allow_hint else ""
+        raise InvalidRequest(f"{where}: local files are not allowed; send the media inline as a data: URL{hint}")
     path = path.resolve()
     if not path.is_relative_to(allowed_dir.resolve()):
         raise InvalidRequest(f"{where}: local files must be under the allowed media directory")
@@ -66,7 +66,7 @@ def _read_local(path: Path, where: str, allowed_dir: Path | None) -> bytes:
         raise InvalidRequest(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
 
 
-def fetch_image_bytes(url: str, where: str, allowed_dir: Path | None = None) -> bytes:
+def fetch_image_bytes(url: str, where: str, allowed_dir: Path | None = None, allow_hint: str | None = None) -> bytes:
     """The bytes an ``image_url`` names: a base64 ``data:`` URL, a ``file://`` URL or a local path."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest(f"{where} needs a non-empty url")
@@ -83,10 +83,10 @@ def fetch_image_bytes(url: str, where: str, allowed_dir: Path | None = None) -> 
         parsed = urllib.parse.urlparse(url)
         if parsed.netloc not in ("", "localhost"):
             raise InvalidRequest(f"{where}: file URLs must name a local file (file:///path)")
-        return _read_local(Path(urllib.parse.unquote(parsed.path)), where, allowed_dir)
+        return _read_local(Path(urllib.parse.unquote(parsed.path)), where, allowed_dir, allow_hint)
     if len(scheme) > 1:  # "c:" would be a Windows drive, anything longer a scheme we do not fetch
         raise InvalidRequest(f"{where}: unsupported URL scheme {scheme!r} (data, file or a local path)")
-    return _read_local(Path(url).expanduser(), where, allowed_dir)
+    return _read_local(Path(url).expanduser(), where, allowed_dir, allow_hint)
 
 
 def decode_image(raw: bytes, where: str) -> Image.Image:
@@ -154,8 +154,11 @@ class ParsedMessages:
 
 
 def parse_messages(messages: tuple[dict, ...], *, modalities: frozenset[str] | set[str], sampling_rate: int,
-                   allowed_dir: Path | None = None) -> ParsedMessages:
-    """Decode the media parts of OpenAI-style messages; a part of a modality the model lacks is refused."""
+                   allowed_dir: Path | None = None, allow_hint: str | None = None) -> ParsedMessages:
+    """Decode the media parts of OpenAI-style messages; a part of a modality the model lacks is refused.
+
+    ``allowed_dir``: the directory local files may be read from (None: none may); ``allow_hint``: how the
+    operator allows them, for the refusal's message (None where the deployment cannot)."""
     out, media = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
@@ -183,18 +186,18 @@ def parse_messages(messages: tuple[dict, ...], *, modalities: frozenset[str] | s
                 raise InvalidRequest(f"{where}: this model takes no {modality} input")
             if len(media) >= MAX_MEDIA_ITEMS:
                 raise InvalidRequest(f"at most {MAX_MEDIA_ITEMS} images and audio clips are allowed per request")
-            media.append(_decode_part(part, kind, where, sampling_rate, allowed_dir))
+            media.append(_decode_part(part, kind, where, sampling_rate, allowed_dir, allow_hint))
             parts.append({"type": modality})
         out.append({**message, "content": parts})
     return ParsedMessages(tuple(out), tuple(media))
 
 
 def _decode_part(part: dict[str, Any], kind: str, where: str, sampling_rate: int,
-                 allowed_dir: Path | None = None) -> MediaItem:
+                 allowed_dir: Path | None = None, allow_hint: str | None = None) -> MediaItem:
     if kind == "image_url":
         ref = part.get("image_url")
         url = ref.get("url") if isinstance(ref, dict) else ref
-        raw = fetch_image_bytes(url, f"{where}.image_url", allowed_dir)
+        raw = fetch_image_bytes(url, f"{where}.image_url", allowed_dir, allow_hint)
         image = decode_image(raw, f"{where}.image_url")
         return MediaItem("image", hashlib.blake2b(raw, digest_size=16).digest(), image)
     audio = part.get("input_audio")

@@ -50,7 +50,8 @@ class VlmRuntime(TextRuntime):
         media: tuple[MediaItem, ...] = ()
         if spec.messages is not None:
             parsed = parse_messages(spec.messages, modalities=set(self.encoders), sampling_rate=self.sampling_rate,
-                                    allowed_dir=self.allowed_media_dir)
+                                    allowed_dir=self.allowed_media_dir,
+                                    allow_hint="start the server with --allowed-local-media-path DIR")
             media = parsed.media
             ids = self.tokenizer.encode(self._render(list(parsed.messages)), add_special_tokens=False)
             spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))

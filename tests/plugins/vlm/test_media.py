@@ -56,6 +56,14 @@ def test_image_urls_that_cannot_be_fetched(url, message):
         fetch_image_bytes(url, "img")
 
 
+def test_a_local_file_refusal_names_how_to_allow_it_only_where_the_deployment_can():
+    with pytest.raises(InvalidRequest) as refused:
+        fetch_image_bytes("file:///srv/cat.png", "img")
+    assert "not allowed" in str(refused.value) and "--" not in str(refused.value)
+    with pytest.raises(InvalidRequest, match="start the server with --allowed-local-media-path DIR"):
+        fetch_image_bytes("/srv/cat.png", "img", allow_hint="start the server with --allowed-local-media-path DIR")
+
+
 def test_wav_is_mixed_to_mono_and_resampled():
     stereo = wav_bytes(0, seconds=0.5, rate=8000, sample_width=1, channels=2)
     samples = decode_wav(stereo, "wav", 16000)

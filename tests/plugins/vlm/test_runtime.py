@@ -96,6 +96,7 @@ def test_bad_media_is_refused_at_submit(llm):
         "unknown content part type": [{"type": "video_url", "video_url": {"url": "x"}}],
         "takes no audio": [audio_part(wav_bytes(0))],
         "local files are not allowed": [{"type": "image_url", "image_url": {"url": "file:///nonexistent/cat.png"}}],
+        "--allowed-local-media-path DIR": [{"type": "image_url", "image_url": {"url": "/nonexistent/cat.png"}}],
         "placeholder": [{"type": "text", "text": "look: <image>"}],
     }
     before = llm.health()["scheduling"]["submitted"]
