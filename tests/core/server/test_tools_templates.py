@@ -116,3 +116,14 @@ def test_the_model_s_own_call_text_parses_in_the_detected_format():
         assert json.loads(calls[-1].arguments) == {"city": "Oslo"}
         if fmt == MISTRAL:  # an id this model's template takes back in the next turn
             assert re.fullmatch(r"[A-Za-z0-9]{9}", calls[-1].id)
+
+
+def test_a_template_s_own_rule_on_history_is_a_clear_request_error():
+    from ifb.params import InvalidRequest
+
+    template = (TEMPLATES / "mistral-instruct-v0.3.jinja").read_text()
+    plan = tools.plan([WEATHER], "auto", None, template)
+    openai_ids = [dict(m, tool_call_id="call_0123456789") if m["role"] == "tool" else m for m in history()]
+    openai_ids[2] = dict(openai_ids[2], tool_calls=[dict(openai_ids[2]["tool_calls"][0], id="call_0123456789")])
+    with pytest.raises(InvalidRequest, match="Tool call IDs should be alphanumeric strings with length 9"):
+        render_chat(tokenizer_for(template), tools.render_messages(openai_ids, plan), tools=list(plan.tools))
