@@ -67,9 +67,11 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # Templates expect non-ASCII to survive (HF's tojson), unlike jinja2's built-in filter.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Hugging Face's tojson, which templates are written for: non-ASCII survives (unlike jinja2's
+    # built-in filter) and the layout arguments pass through to json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_content(value: Any) -> str | None:

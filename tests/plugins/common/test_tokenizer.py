@@ -119,3 +119,15 @@ def test_tools_reach_a_template_that_reads_them(tiny: TextTokenizer) -> None:
     assert render_chat(reads, messages) == "user:x;"
     spec = RequestSpec(messages=tuple(messages), extras={"tools": tools})
     assert reads.decode(prompt_token_ids(reads, reads.vocab_size, spec)) == "[get_weather]user:x;"
+
+
+def test_tojson_takes_the_arguments_hub_templates_pass(tiny: TextTokenizer) -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
+                "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}|{{ messages[0] | tojson(ensure_ascii=true) }}")
+    ours = TextTokenizer(tiny.tokenizer, chat_template=template, eos_token_ids=())
+    messages = [{"role": "user", "content": "Grüße <b>&"}]
+    rendered = ours.apply_chat_template(messages)
+    assert rendered == render_jinja_template([messages], chat_template=template, add_generation_prompt=True)[0][0]
+    assert '{"content":"Grüße <b>&","role":"user"}' in rendered and "\\u00fc" in rendered
