@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ifb.params import InvalidRequest
 from ifb_plugins.common.model import RMSNorm
+from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.common.vision import activation
 
 #: the tower's RMSNorms, fixed in the reference implementation (not in the config)
@@ -292,3 +294,16 @@ class Qwen2_5VisionTower(nn.Module):
         importance = received.view(-1, unit).mean(-1) if received is not None else torch.zeros(n // unit)
         raster = torch.argsort(order)
         return merged.index_select(0, raster), importance.index_select(0, raster.to(importance.device))
+
+
+@torch.inference_mode()
+def encode_image(tower: nn.Module, processing: Any, image: Any, device: torch.device) -> tuple[tuple, torch.Tensor]:
+    """One image through a Qwen-VL processor (``QwenVLImageProcessing``) and tower (this one or Qwen3-VL's):
+    the tower's outputs and the merged tokens' M-RoPE relative ids ``[3, M]``."""
+    try:
+        pixels, grid = processing(image)
+    except ValueError as exc:  # an aspect ratio the processor refuses
+        raise InvalidRequest(f"this image cannot be processed: {exc}") from None
+    outputs = tower(torch.from_numpy(pixels).to(device), grid)
+    merge = tower.config.spatial_merge_size
+    return outputs, grid_ids(grid[0], grid[1] // merge, grid[2] // merge)

@@ -23,9 +23,8 @@ from typing import Any
 import attrs
 import torch
 
-from ifb.params import InvalidRequest
-from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.qwen2_5_vl_vision import encode_image
 from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 from ifb_plugins.speech.weights import adopt, load_prefixed
 
@@ -79,16 +78,9 @@ class OmniImageEncoder:
     def num_deepstack(self) -> int:
         return len(self.tower.config.deepstack_visual_indexes)
 
-    @torch.inference_mode()
     def encode(self, image: Any, device: torch.device) -> EncodedImage:
-        try:
-            pixels, grid = self.processing(image)
-        except ValueError as exc:  # an aspect ratio the processor refuses
-            raise InvalidRequest(f"this image cannot be processed: {exc}") from None
-        merged, deepstack, _ = self.tower(torch.from_numpy(pixels).to(device), grid)
-        merge = self.tower.config.spatial_merge_size
-        return EncodedImage(torch.cat([merged, *deepstack], dim=-1),
-                            grid_ids(grid[0], grid[1] // merge, grid[2] // merge))
+        (merged, deepstack, _), position_ids = encode_image(self.tower, self.processing, image, device)
+        return EncodedImage(torch.cat([merged, *deepstack], dim=-1), position_ids)
 
 
 def load_image_encoder(path: Path, raw: dict[str, Any]) -> OmniImageEncoder:

@@ -24,16 +24,14 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from ifb.params import InvalidRequest
 from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.common.loader import LoadedCheckpoint, build_model
-from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
 from ifb_plugins.common.media import MediaItem
 from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower
+from ifb_plugins.common.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower, encode_image
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 
@@ -111,18 +109,10 @@ class QwenImageEncoder:
     placeholder_id: int
     device: torch.device
 
-    @torch.inference_mode()
     def encode(self, item: MediaItem) -> EncodedMedia:
-        try:
-            pixels, grid = self.processing(item.data)
-        except ValueError as exc:  # an aspect ratio the processor refuses
-            raise InvalidRequest(f"this image cannot be processed: {exc}") from None
-        embeds, importance = self.tower(torch.from_numpy(pixels).to(self.device), grid)  # [M, H], [M]
-        merge = self.tower.config.spatial_merge_size
-        n = embeds.shape[0]
-        return EncodedMedia(token_ids=(self.placeholder_id,) * n, embed_token_id=self.placeholder_id,
-                            embeds=embeds, importance=importance,
-                            position_ids=grid_ids(grid[0], grid[1] // merge, grid[2] // merge))
+        (embeds, importance), position_ids = encode_image(self.tower, self.processing, item.data, self.device)
+        return EncodedMedia(token_ids=(self.placeholder_id,) * embeds.shape[0], embed_token_id=self.placeholder_id,
+                            embeds=embeds, importance=importance, position_ids=position_ids)  # [M, H], [M], [3, M]
 
 
 def image_processing(files: ProcessorFiles, vision: Qwen2_5VisionConfig) -> QwenVLImageProcessing:

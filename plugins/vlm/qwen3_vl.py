@@ -26,16 +26,15 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from ifb.params import InvalidRequest
 from ifb_plugins.common.config import TextModelConfig
 from ifb_plugins.common.deepstack import build_text_model
-from ifb_plugins.common.mrope import grid_ids
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
 from ifb_plugins.common.media import MediaItem
 from ifb_plugins.vlm.qwen2_5_vl import image_processing, split_state
 from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.qwen2_5_vl_vision import encode_image
 from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
@@ -69,18 +68,12 @@ class Qwen3ImageEncoder:
     placeholder_id: int
     device: torch.device
 
-    @torch.inference_mode()
     def encode(self, item: MediaItem) -> EncodedMedia:
-        try:
-            pixels, grid = self.processing(item.data)
-        except ValueError as exc:  # an aspect ratio the processor refuses
-            raise InvalidRequest(f"this image cannot be processed: {exc}") from None
-        merged, deepstack, importance = self.tower(torch.from_numpy(pixels).to(self.device), grid)
+        (merged, deepstack, importance), position_ids = encode_image(self.tower, self.processing, item.data,
+                                                                     self.device)
         rows = torch.cat([merged, *deepstack], dim=-1)  # [M, (K + 1) H]
-        merge = self.tower.config.spatial_merge_size
         return EncodedMedia(token_ids=(self.placeholder_id,) * rows.shape[0], embed_token_id=self.placeholder_id,
-                            embeds=rows, importance=importance,
-                            position_ids=grid_ids(grid[0], grid[1] // merge, grid[2] // merge))
+                            embeds=rows, importance=importance, position_ids=position_ids)
 
 
 def load(path: Path, device: torch.device) -> LoadedVlm:
