@@ -28,71 +28,21 @@ import time
 import types
 from pathlib import Path
 
-import gguf
-import numpy as np
+import attrs
 import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
-Q = gguf.GGMLQuantizationType
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 896, 4864, 14, 2, 151936
+import gguf_shapes  # noqa: E402
 
-
-def layer_types(i: int, num_layers: int) -> dict[str, Q]:
-    """llama.cpp's Q4_K_M choice for a Qwen2-0.5B layer (more bits for V and down in some layers)."""
-    more = i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
-    return {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0 if more else Q.Q5_0, "attn_output": Q.Q5_0,
-            "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K if more else Q.Q4_K}
-
-
-def random_rows(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid random blocks: random bytes, float16 scales small enough for sane activations."""
-    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    offsets = {Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
-    for offset in offsets:
-        raw[..., offset:offset + 2] = np.full((n, k // weights, 1), 2e-4, np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
+SHAPE = gguf_shapes.SHAPES["qwen2.5-0.5b"]
 
 
 def write_gguf(path: Path, num_layers: int, seed: int = 0) -> dict[str, int]:
-    """The file, and how many tensors of each type it holds."""
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(num_layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTERMEDIATE)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(VOCAB)
-    counts: dict[str, int] = {}
-    kv = HIDDEN // HEADS * KV_HEADS
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
-              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTERMEDIATE, HIDDEN),
-              "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
-
-    def add(name: str, qtype: Q, n: int, k: int) -> None:
-        w.add_tensor(name, random_rows(qtype, n, k, rng), raw_dtype=qtype)
-        counts[qtype.name] = counts.get(qtype.name, 0) + 1
-
-    add("token_embd.weight", Q.Q8_0, VOCAB, HIDDEN)
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for i in range(num_layers):
-        for name, qtype in layer_types(i, num_layers).items():
-            add(f"blk.{i}.{name}.weight", qtype, *shapes[name])
-        for name, size in (("attn_q", HIDDEN), ("attn_k", kv), ("attn_v", kv)):
-            w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(size) * 0.01).astype(np.float32))
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return counts
+    """The file (``gguf_shapes``' Q4_K_M mix), and how many tensors of each type it holds."""
+    return gguf_shapes.write_gguf(path, attrs.evolve(SHAPE, num_layers=num_layers), "Q4_K_M", seed=seed)
 
 
 def decode_rate(model: torch.nn.Module, num_tokens: int) -> float:

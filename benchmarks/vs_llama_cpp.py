@@ -1,0 +1,300 @@
+"""ifb against llama.cpp's server, side by side in one run, on the same GGUF files.
+
+For each model (the default model's own GGUF, then random-weight GGUFs of Qwen2.5-0.5B, -1.5B and
+-3B shapes in llama.cpp's ``Q4_K_M`` mix and in ``Q8_0``, written by ``gguf_shapes``), both
+servers are started with the same seats (16) and the same KV room, and each workload runs in
+A-B-B-A order (ifb, llama.cpp, llama.cpp, ifb), so a drift in the machine's load hits both alike.
+The table gives each server's mean of its two runs and the ratio. Workloads (all greedy, streamed):
+
+- ``batch1``: one request at a time, 64 tokens each;
+- ``concurrent8`` / ``concurrent16``: 8 / 16 clients in a closed loop, 64 tokens each;
+- ``poisson``: an open loop at ``--rate`` requests/s, answers skewed (80 % 8-32 tokens, 20 % 128-256);
+- ``prompt_heavy``: 8 clients, 700-word prompts, 32-token answers;
+- ``no_max_tokens``: chat requests without ``max_tokens``, answers end at EOS or at the context
+  (random weights rarely say EOS, so there it is the servers' cap: ``--context`` tokens a seat).
+
+Also recorded: each server's resident memory after loading and its peak, and batch-1 decode as a
+fraction of this machine's measured read bandwidth for the bytes a token streams (the GGUF's
+tensors). llama.cpp is built by ``llama_cpp_build.py`` (cached; about 13 minutes the first time)
+and run with ``--no-repack`` (its AMX repacking crashes on some VMs; ``--repack`` allows it).
+
+    python benchmarks/vs_llama_cpp.py                          # every model: long (hours on 2 cores)
+    python benchmarks/vs_llama_cpp.py --models default,qwen2.5-0.5b:Q4_K_M
+    python benchmarks/vs_llama_cpp.py --quick                  # a few short requests: checks the setup
+    python benchmarks/vs_llama_cpp.py --publish                # also writes the table into README.md
+
+Raw results go to ``benchmarks/runs/<date>-llama-cpp/`` (git-ignored); ``--publish`` writes the
+summary ``vs_llama_cpp.json`` and the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import gguf_shapes  # noqa: E402
+import llama_cpp_build  # noqa: E402
+from run_all import RUNS_DIR, free_port, machine_info, stop  # noqa: E402
+
+from ifb.bench.driver import Target, run  # noqa: E402
+from ifb.bench.stats import report  # noqa: E402
+from ifb.bench.workloads import LengthBand, Workload  # noqa: E402
+
+SEATS = 16
+SUMMARY = HERE / "vs_llama_cpp.json"
+README = HERE / "README.md"
+BEGIN, END = "<!-- llama-cpp:begin (written by vs_llama_cpp.py) -->", "<!-- llama-cpp:end -->"
+SERVERS = ("ifb", "llama.cpp")
+ORDER = ("ifb", "llama.cpp", "llama.cpp", "ifb")
+
+
+def workloads(rate: float) -> list[Workload]:
+    return [
+        Workload(name="batch1", kind="fixed", num_requests=4, concurrency=1),
+        Workload(name="concurrent8", kind="fixed", num_requests=16, concurrency=8),
+        Workload(name="concurrent16", kind="fixed", num_requests=32, concurrency=16),
+        Workload(name="poisson", kind="skewed", num_requests=48, rate=rate, seed=1,
+                 output_lengths=(LengthBand(0.8, 8, 32), LengthBand(0.2, 128, 256)), prompt_words=(8, 96)),
+        Workload(name="prompt_heavy", kind="fixed", num_requests=16, concurrency=8,
+                 output_lengths=(LengthBand(1.0, 32, 32),), prompt_words=(700, 700)),
+        Workload(name="no_max_tokens", kind="fixed", num_requests=8, concurrency=8, prompt_words=(4, 8),
+                 ignore_eos=False, send_max_tokens=False,
+                 instruction="In one short sentence, which of these words is the oddest?"),
+    ]
+
+
+def quick(workload: Workload) -> Workload:
+    bands = tuple(LengthBand(b.weight, min(b.min_tokens, 8), min(b.max_tokens, 12)) for b in workload.output_lengths)
+    return attrs.evolve(workload, num_requests=min(workload.num_requests, 4), output_lengths=bands,
+                        prompt_words=(min(workload.prompt_words[0], 100), min(workload.prompt_words[1], 100)))
+
+
+@attrs.frozen
+class Model:
+    """One GGUF both servers load: the default model, or a random-weight shape in a mix."""
+
+    key: str
+    path: Path
+    num_bytes: int
+    title: str
+
+
+def default_model() -> Model:
+    from ifb_plugins.text.default_model import resolve_model
+
+    path = Path(resolve_model(None))
+    return Model("default", path, gguf_shapes.tensor_bytes(path), "SmolLM2-135M-Instruct (Q4_1, real weights)")
+
+
+def shape_model(key: str, models_dir: Path, vocab_dir: Path, context: int) -> Model:
+    name, _, mix = key.partition(":")
+    if name not in gguf_shapes.SHAPES or mix not in gguf_shapes.MIXES:
+        raise SystemExit(f"unknown model {key!r}: give default or SHAPE:MIX with SHAPE in "
+                         f"{', '.join(gguf_shapes.SHAPES)} and MIX in {', '.join(gguf_shapes.MIXES)}")
+    shape = gguf_shapes.SHAPES[name]
+    path = models_dir / f"{name}-random-{mix}-ctx{context}.gguf"
+    if not path.exists():
+        print(f"writing {path.name} ...", flush=True)
+        partial = path.with_suffix(".partial")
+        counts = gguf_shapes.write_gguf(partial, shape, mix, vocab=vocab_dir / f"ggml-vocab-{shape.arch}.gguf",
+                                        context_length=context)
+        partial.rename(path)
+        print(f"   {path.stat().st_size / 2**30:.2f} GiB, matrices by type {counts}", flush=True)
+    return Model(key, path, gguf_shapes.tensor_bytes(path), f"{name} shape, {mix} (random weights)")
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory now and at its peak (MiB)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[name].split()[0]) / 1024 for key, name in (("rss", "VmRSS"), ("peak", "VmHWM"))}
+
+
+def start_server(name: str, model: Model, binary: Path, context: int, log: Path, repack: bool,
+                 threads: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if name == "ifb":
+        command = [sys.executable, "-m", "ifb", "serve", str(model.path), "--port", str(port),
+                   "--enable-in-flight-batching", "--max-batch-size", str(SEATS),
+                   "--max-kv-cache-capacity", str(SEATS * context), "--queue-timeout", "900",
+                   "--max-queued-requests", "256", "--log-level", "warning"]
+    else:  # one slot per seat, each with the same context; the same KV room in all
+        command = [str(binary), "-m", str(model.path), "--port", str(port), "-np", str(SEATS),
+                   "-c", str(SEATS * context), "-t", str(threads), "--no-webui", "--log-disable"]
+        if not repack:
+            command.append("--no-repack")
+    handle = log.open("w")
+    proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=HERE.parent)
+    handle.close()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                # one short request: the first forward passes pay for allocation and warm-up
+                httpx.post(url + "/v1/completions", timeout=600,
+                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).raise_for_status()
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"not ready within {timeout:.0f} s")
+
+
+def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of summing a buffer far larger than the caches, on every core torch uses (the best run)."""
+    import torch
+
+    buffer = torch.ones(size_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        float(buffer.sum())
+        best = min(best, time.perf_counter() - started)
+    return size_bytes / best / 1e9
+
+
+def measure_model(model: Model, binary: Path, chosen: list[Workload], out_dir: Path, args: argparse.Namespace) -> dict:
+    procs: dict[str, tuple[subprocess.Popen, str]] = {}
+    result: dict = {"model": model.key, "title": model.title, "bytes_per_token": model.num_bytes,
+                    "file_bytes": model.path.stat().st_size, "workloads": {}}
+    try:
+        for name in SERVERS:  # one at a time, so the load-time peaks are each server's own
+            procs[name] = start_server(name, model, binary, args.context, out_dir / f"{model.key}.{name}.log".replace(":", "-"),
+                                       args.repack, args.threads)
+            wait_ready(procs[name][1], procs[name][0], args.startup_timeout)
+        result["memory_mib_loaded"] = {name: rss_mib(proc.pid) for name, (proc, _) in procs.items()}
+        for workload in chosen:
+            runs: dict[str, list[dict]] = {name: [] for name in SERVERS}
+            for name in ORDER:
+                summary = report(run(Target(procs[name][1], endpoint=_endpoint(workload)), workload,
+                                     progress=False))["summary"]
+                runs[name].append(summary)
+                print(f"   {model.key} {workload.name:14} {name:9} {summary['output_tokens_per_s']:8.1f} tok/s  "
+                      f"errors {summary['num_errors']}", flush=True)
+            result["workloads"][workload.name] = runs
+        result["memory_mib_after"] = {name: rss_mib(proc.pid) for name, (proc, _) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            stop(proc)
+    return result
+
+
+def _endpoint(workload: Workload) -> str:
+    return "completions" if workload.send_max_tokens else "chat"
+
+
+def _mean(runs: list[dict], key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
+
+
+def render(summary: dict) -> str:
+    machine = summary["machine"]
+    lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['cores']} cores); read bandwidth "
+             f"{summary['bandwidth_gb_s']:.1f} GB/s (`torch.sum` over 1 GiB, best of 5); llama.cpp from "
+             f"llama-cpp-python {summary['llama_cpp_version']}'s vendored tree, `-np {SEATS} -t "
+             f"{summary['threads']}`{'' if summary['repack'] else ' --no-repack'}; ifb `--enable-in-flight-batching "
+             f"--max-batch-size {SEATS}`; the same KV room ({summary['context']} tokens a seat). Output tokens/s, "
+             "each server's mean of its two runs in A-B-B-A order." + (" **Quick run: not representative.**"
+                                                                        if summary["quick"] else ""), ""]
+    names = [w for w in summary["workloads"]]
+    lines.append("| model | " + " | ".join(names) + " | batch-1 decode, of bandwidth | RSS loaded / peak (MiB) |")
+    lines.append("|---|" + "---:|" * (len(names) + 2))
+    for m in summary["models"]:
+        cells = []
+        for w in names:
+            runs = m["workloads"].get(w)
+            if not runs:
+                cells.append("-")
+                continue
+            a, b = _mean(runs["ifb"], "output_tokens_per_s"), _mean(runs["llama.cpp"], "output_tokens_per_s")
+            errors = sum(r["num_errors"] for rs in runs.values() for r in rs)
+            cells.append(f"{a:.1f} / {b:.1f} (**{a / b:.2f}x**)" + (f" {errors} errors" if errors else ""))
+        frac = []
+        if "batch1" in m["workloads"]:
+            for name in SERVERS:
+                rate = _mean(m["workloads"]["batch1"][name], "output_tokens_per_s")
+                frac.append(f"{100 * rate * m['bytes_per_token'] / 1e9 / summary['bandwidth_gb_s']:.0f} %")
+        mem = " ; ".join(f"{m['memory_mib_loaded'][n]['rss']:.0f} / {m['memory_mib_after'][n]['peak']:.0f}"
+                         for n in SERVERS)
+        lines.append(f"| {m['title']}, {m['bytes_per_token'] / 2**20:.0f} MiB a token | " + " | ".join(cells)
+                     + f" | {' / '.join(frac) or '-'} | {mem} |")
+    lines += ["", "Cells: ifb / llama.cpp (ratio). Memory: ifb ; llama.cpp."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    keys = ["default"] + [f"{s}:{m}" for s in gguf_shapes.SHAPES for m in gguf_shapes.MIXES]
+    parser.add_argument("--models", default=",".join(keys), help="Comma-separated subset of: %(default)s")
+    parser.add_argument("--workloads", default=None, help="Comma-separated subset of the workloads (default: all).")
+    parser.add_argument("--context", type=int, default=1024, help="KV tokens a seat, in both servers.")
+    parser.add_argument("--rate", type=float, default=4.0, help="Arrivals per second of the poisson workload.")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads.")
+    parser.add_argument("--repack", action="store_true", help="Let llama.cpp repack weights (AMX).")
+    parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")
+    parser.add_argument("--publish", action="store_true", help="Write vs_llama_cpp.json and the README table.")
+    parser.add_argument("--models-dir", type=Path, default=llama_cpp_build.cache_dir("models"))
+    parser.add_argument("--llama-cpp-version", default=llama_cpp_build.DEFAULT_VERSION)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    if args.publish and args.quick:
+        parser.error("a quick run is not representative: --publish takes a full run")
+    chosen = workloads(args.rate)
+    if args.workloads:
+        wanted = [w.strip() for w in args.workloads.split(",")]
+        unknown = set(wanted) - {w.name for w in chosen}
+        if unknown:
+            parser.error(f"unknown workload(s) {', '.join(sorted(unknown))}")
+        chosen = [w for w in chosen if w.name in wanted]
+    if args.quick:
+        chosen = [quick(w) for w in chosen]
+
+    binary = llama_cpp_build.build(args.llama_cpp_version)
+    vocab_dir = llama_cpp_build.cache_dir(args.llama_cpp_version) / "src" / "models"
+    args.models_dir.mkdir(parents=True, exist_ok=True)
+    date = dt.date.today().isoformat()
+    out_dir = RUNS_DIR / f"{date}-llama-cpp{'-quick' if args.quick else ''}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"machine": machine_info(quick=args.quick), "bandwidth_gb_s": read_bandwidth(),
+               "llama_cpp_version": args.llama_cpp_version, "threads": args.threads, "repack": args.repack,
+               "context": args.context, "quick": args.quick, "workloads": [w.name for w in chosen], "models": []}
+    print(f"read bandwidth {summary['bandwidth_gb_s']:.1f} GB/s", flush=True)
+    for key in [k.strip() for k in args.models.split(",") if k.strip()]:
+        model = default_model() if key == "default" else shape_model(key, args.models_dir, vocab_dir, args.context)
+        print(f"== {model.title}", flush=True)
+        summary["models"].append(measure_model(model, binary, chosen, out_dir, args))
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    table = render(summary)
+    print("\n" + table)
+    if args.publish:
+        SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
+        text = README.read_text()
+        block = f"{BEGIN}\n{table}\n{END}"
+        if BEGIN in text:
+            head, rest = text.split(BEGIN, 1)
+            text = head + block + rest.split(END, 1)[1]
+        else:
+            text = text.rstrip("\n") + f"\n\n## Against llama.cpp\n\n{block}\n"
+        README.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
