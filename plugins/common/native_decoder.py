@@ -125,11 +125,24 @@ def _weight(linear: BlockLinear) -> _Weight:
                    linear.out_features, linear.in_features)
 
 
+#: an empty part of the q | k | v rows (n = 0: the C code skips it)
+_NO_ROWS = _Weight(0, 0, None, None, 0, 0)
+
+
+def _qkv_parts(attn: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The modules of the q | k | v rows: the fused projection, or (block types differing, as in
+    llama.cpp's Q4_K_M mix with V in Q6_K) q, k and v."""
+    if getattr(attn, "qkv_proj", None) is not None:
+        return (attn.qkv_proj,)
+    return tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+
+
 def _fits(model: nn.Module) -> bool:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         # a mixture-of-experts layer (moe.SparseMoE) has neither: it runs layer by layer
-        modules = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        modules = (*_qkv_parts(attn), attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
         if not all(isinstance(m, BlockLinear) for m in modules):
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -156,7 +169,8 @@ class NativeDecoder:
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 attn.q_norm.weight.data_ptr() if c.qk_norm else None,
                 attn.k_norm.weight.data_ptr() if c.qk_norm else None,
-                _weight(attn.qkv_proj), _weight(attn.o_proj), _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
+                *(list(map(_weight, _qkv_parts(attn))) + [_NO_ROWS, _NO_ROWS])[:3],
+                _weight(attn.o_proj), _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
         self._layers = (_Layer * len(layers))(*layers)
         self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                                  c.head_dim, c.rms_norm_eps, self._layers)

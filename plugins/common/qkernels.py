@@ -10,6 +10,11 @@
   from a float32 matmul on the dequantized weights by summation order only. (torch's packed int4 CPU matmul needs
   bfloat16 activations for speed, and for the few rows of a decode step it is
   limited by its unpacking more than by memory.)
+- Q4_K and Q6_K rows are decoded once at load by ``interleave_kquant`` into
+  kinds of their own for ``block_matmul`` (K4: 4-bit codes with each 32-weight
+  sub-block's float32 scale and minimum; K6: int8 codes with the two float32
+  scales of a block's halves), integer activations only: the bits of
+  ``stored_matmul``, at the speed of the interleaved kernels (VNNI, AMX for K4).
 - ``stored_matmul``: the same integer scheme over GGUF rows kept exactly as
   stored for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (``csrc/matmul_stored.h``: each
   row decoded once per call; the same bits as ``quant_blocks.block_matmul``,
@@ -64,8 +69,11 @@ log = logging.getLogger("ifb.text")
 #: the package folder of the C sources, and the translation unit compiled from it
 SOURCE_DIR = "csrc"
 SOURCE_NAME = "qkernels.c"
-#: bytes per 32-weight block of each kind (0: Q4_0, 1: Q4_1, 2: Q8_0)
-BLOCK_BYTES = (18, 20, 34)
+#: bytes per column and 32-weight block of each kind as ``block_matmul`` reads it (0: Q4_0, 1: Q4_1,
+#: 2: Q8_0 as stored; 3: Q4_K and 4: Q6_K as ``interleave_kquant`` decodes them)
+BLOCK_BYTES = (18, 20, 34, 24, 40)
+#: the kinds ``interleave_kquant`` makes, by ggml type number (Q4_K, Q6_K)
+KQUANT_KINDS = {12: 3, 14: 4}
 #: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
 CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -150,6 +158,9 @@ class Kernels:
         self._interleave = lib.ifb_interleave
         self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
         self._interleave.restype = None
+        self._interleave_kquant = lib.ifb_interleave_kquant
+        self._interleave_kquant.argtypes = [ptr, long, long, ctypes.c_int, ptr]
+        self._interleave_kquant.restype = ctypes.c_int
         self._stored = lib.ifb_stored_matmul
         self._stored.argtypes = [ptr, long, long, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, long]
         self._stored.restype = ctypes.c_int
@@ -185,6 +196,27 @@ class Kernels:
         self._interleave(blocks.data_ptr(), n, k, kind, out.data_ptr())
         return out
 
+    def interleave_kquant(self, rows: torch.Tensor, qtype: int) -> torch.Tensor:
+        """Q4_K or Q6_K rows ``[N, K / 256 * block bytes]`` (uint8, as stored; ``qtype`` is ggml's
+        type number) decoded into kind ``KQUANT_KINDS[qtype]`` of ``block_matmul``:
+        ``[ceil(N / 16) * 16, K / 32 * BLOCK_BYTES[kind]]``, the padding columns zero."""
+        if int(qtype) not in KQUANT_KINDS:
+            raise ValueError(f"ggml type {qtype} has no interleaved kind")
+        rows = rows.contiguous()
+        n, row_bytes = rows.shape
+        weights, nbytes = STORED_BLOCKS[int(qtype)]
+        if row_bytes % nbytes:
+            raise ValueError(f"rows of {row_bytes} bytes are not whole type-{qtype} blocks")
+        k = row_bytes // nbytes * weights
+        kind = KQUANT_KINDS[int(qtype)]
+        out = torch.empty(-(-n // 16) * 16, k // 32 * BLOCK_BYTES[kind], dtype=torch.uint8)
+        status = self._interleave_kquant(rows.data_ptr(), n, k, int(qtype), out.data_ptr())
+        if status == -1:
+            raise MemoryError("no memory to decode a row")
+        if status != 0:
+            raise ValueError(f"ggml type {qtype} rows of {k} weights cannot be interleaved")
+        return out
+
     def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: int, n: int,
                      bias: torch.Tensor | None = None, *, activations: Activations = "int16") -> torch.Tensor:
         """``x [M, K]`` times ``n`` weight rows interleaved by ``interleave``; float32 ``[M, n]``.
@@ -197,6 +229,8 @@ class Kernels:
         """
         x = _rows(x)
         m, k = x.shape
+        if kind >= 3 and activations == "float32":
+            raise ValueError("the K-quant kinds take int16 or int8 activations")
         if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
             raise ValueError(f"{tuple(blocks.shape)} interleaved blocks do not hold {n} rows of {k}")
         out = torch.empty(m, n, dtype=torch.float32)

@@ -58,8 +58,9 @@ log = logging.getLogger("ifb.text")
 Q = gguf.GGMLQuantizationType
 #: weights per block
 BLOCK = 32
-#: block types read as stored: the native kernels' kind number, and bytes per block
-KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}
+#: block types the interleaved kernels multiply: their kind number (Q4_K and Q6_K decoded at load by
+#: ``Kernels.interleave_kquant``)
+KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}
 #: every block type read as stored (the rest are dequantized to float32 at load)
 STORED = tuple(quant_blocks.SUBBLOCK)
 BLOCK_BYTES = dict(quant_blocks.BLOCK_BYTES)
@@ -132,6 +133,25 @@ def read_expert_blocks(tensor: GGUFTensor) -> list[BlockWeight] | None:
     return [BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k) for i in range(e)]
 
 
+def q5_0_as_q8_0(weight: BlockWeight) -> BlockWeight:
+    """A Q5_0 matrix as the same weights in Q8_0 blocks: each block's scale d kept, its 5-bit codes
+    ``q - 16`` stored as int8 (exact), so the interleaved Q8_0 kernels multiply it with the bits
+    ``stored_matmul`` gives the Q5_0 rows."""
+    if weight.qtype != Q.Q5_0:
+        raise ValueError(f"expected Q5_0 blocks, got {weight.qtype.name}")
+    n, k = weight.shape
+    raw = weight.blocks.numpy().reshape(n, k // BLOCK, 22)
+    high = raw[..., 2:6].copy().view(np.uint32)  # [n, blocks, 1]: bit i is weight i's fifth bit
+    nibbles = raw[..., 6:]
+    low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).astype(np.int16)  # weights 0..15, 16..31
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    codes = (low | fifth << 4) - 16
+    out = np.empty((n, k // BLOCK, 34), np.uint8)
+    out[..., :2] = raw[..., :2]
+    out[..., 2:] = codes.astype(np.int8).view(np.uint8)
+    return BlockWeight(Q.Q8_0, torch.from_numpy(out.reshape(n, -1)), k)
+
+
 def concat(parts: list[BlockWeight]) -> BlockWeight:
     """Stack weights of one type along the output axis (a fused projection): rows move whole."""
     if len({p.qtype for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
@@ -154,8 +174,12 @@ class BlockLinear(nn.Module):
         if weight.qtype not in KINDS:  # quant_torch.BlockTorchLinear multiplies the other types
             raise ValueError(f"the native kernels do not multiply {weight.qtype.name} blocks")
         self.kind = KINDS[weight.qtype]
-        #: the blocks interleaved for the kernels (``Kernels.interleave``)
-        self.register_buffer("blocks", kernels.interleave(weight.blocks, self.kind))
+        if self.kind >= 3 and activations == "float32":
+            raise ValueError(f"{weight.qtype.name} blocks take int16 or int8 activations")
+        #: the blocks interleaved for the kernels (``Kernels.interleave``, ``Kernels.interleave_kquant``)
+        blocks = (kernels.interleave_kquant(weight.blocks, int(weight.qtype)) if self.kind >= 3
+                  else kernels.interleave(weight.blocks, self.kind))
+        self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         self.kernels = kernels
 
@@ -246,12 +270,16 @@ class _Swapper:
             raise RuntimeError("the native GGUF kernels cannot be built here (see the warning above)")
         #: projections put on ``BlockTorchLinear``
         self.num_torch = 0
+        #: K-quant and Q5_0 matrices go on the interleaved kernels (integer activations only)
+        self.native_kquants = self.kernels is not None and activations in ("int16", "int8")
 
     def weight(self, name: str) -> BlockWeight | None:
         tensor = self.raw.get(f"{name}.weight")
         block = None if tensor is None else read_blocks(tensor, STORED)
         if block is not None and self.backend == "torch-int4" and block.qtype == Q.Q8_0:
             return None  # no int4 kernel for it, and torch's integer path would be slower than float32
+        if block is not None and block.qtype == Q.Q5_0 and self.native_kquants:
+            return q5_0_as_q8_0(block)  # exact: the interleaved Q8_0 kernels, and fused with Q8_0 parts
         return block
 
     def expert_weights(self, name: str) -> list[BlockWeight] | None:
@@ -263,7 +291,7 @@ class _Swapper:
         return experts
 
     def module(self, weight: BlockWeight, bias: torch.Tensor | None, num_parts: int = 1) -> nn.Module:
-        if self.kernels is not None and weight.qtype in KINDS:
+        if self.kernels is not None and weight.qtype in KINDS and (KINDS[weight.qtype] < 3 or self.native_kquants):
             return BlockLinear(weight, bias, self.kernels, activations=self.activations)
         if (self.kernels is not None and int(weight.qtype) in qkernels.STORED_TYPES
                 and self.activations in ("int16", "int8")):

@@ -13,6 +13,22 @@ static int matmul_rows(const weight_t *w, const float *x, long m, float *y) {
     return ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y, w->n);
 }
 
+/* The q | k | v rows of y [m, row]: one matmul when they share a block kind, else one per part,
+ * each into its columns. */
+static int qkv_rows(const layer_t *L, const float *x, long m, float *y, long row) {
+    const weight_t *parts[3] = {&L->qkv, &L->k_rows, &L->v_rows};
+    long at = 0;
+    for (int i = 0; i < 3; i++) {
+        const weight_t *w = parts[i];
+        if (w->n == 0) continue;
+        int status = ifb_block_matmul_ld(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y + at,
+                                         w->n, row);
+        if (status != 0) return status;
+        at += w->n;
+    }
+    return 0;
+}
+
 /* out = w * (x / sqrt(mean(x^2) + eps)) over each of `rows` rows of `dim` (out may be x). */
 static void rms_norm_rows(const float *x, long rows, long dim, const float *w, float eps, float *out) {
     for (long r = 0; r < rows; r++) {
@@ -127,7 +143,7 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
         /* the previous layer's MLP output (in delta) joins the residual stream here */
         rows_t rows = {m, s, L, l, x, h, qkv, gu, act, l > 0 ? delta : NULL, L->attn_norm};
         run_elementwise(add_norm_rows, &rows, t, t * hidden);
-        if ((status = matmul_rows(&L->qkv, h, t, qkv)) != 0) break;
+        if ((status = qkv_rows(L, h, t, qkv, row)) != 0) break;
         run_elementwise(rope_store_rows, &rows, t, t * row);
         job_t job = {.kind = 1, .count = t * hkv};
         job.at = (attention_t){qkv, row, t, hq, hkv, d, s->k_caches[l], s->v_caches[l], (int)s->kv_half, s->block_size,

@@ -9,7 +9,7 @@
 #include <stddef.h>
 
 #define IFB_WEIGHT_FIELDS(F)                                                                \
-    F(long, kind)                   /* Q4_0, Q4_1 or Q8_0 */                                \
+    F(long, kind)                   /* Q4_0, Q4_1, Q8_0, K4 or K6 */                        \
     F(long, passes)                 /* integer activations (see ifb_block_matmul) */        \
     F(const uint8_t *, blocks)      /* interleaved, as ifb_block_matmul reads them */       \
     F(const float *, bias)          /* or NULL */                                           \
@@ -21,7 +21,9 @@
     F(const float *, mlp_norm)      /* [hidden] */                                          \
     F(const float *, q_norm)        /* [head_dim] (Qwen3), or NULL */                       \
     F(const float *, k_norm)        /* [head_dim] (Qwen3), or NULL */                       \
-    F(weight_t, qkv)                /* q | k | v rows */                                    \
+    F(weight_t, qkv)                /* q | k | v rows, or q's (k_rows, v_rows: the rest) */ \
+    F(weight_t, k_rows)             /* n = 0 when qkv holds them */                         \
+    F(weight_t, v_rows)                                                                     \
     F(weight_t, o)                                                                          \
     F(weight_t, gate_up)            /* gate | up rows */                                    \
     F(weight_t, down)

@@ -7,7 +7,7 @@
 INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
     long start = 0; /* rows from here on: vector tiles */
 #if HAS_AMX
-    if (job->use_amx) { /* whole tiles of 16 rows (padded ones included); the rest below */
+    if (job->use_amx && kind != K6) { /* whole tiles of 16 rows (padded ones included); the rest below */
         start = job->mq / AMX_ROWS * AMX_ROWS;
         for (long r0 = 0; r0 < start; r0 += AMX_ROWS) tile_amx(job, r0, g0, g1, kind, P);
     }
@@ -34,7 +34,11 @@ INLINE void columns_of(const matmul_t *job, long g0, long g1, int kind) {
 }
 
 static void run_columns(const matmul_t *job, long g0, long g1) {
-    if (job->kind == Q4_0)
+    if (job->kind == K4) /* integer activations only (ifb_block_matmul refuses float32 ones) */
+        job->passes == 2 ? groups_q8(job, g0, g1, K4, 2) : groups_q8(job, g0, g1, K4, 1);
+    else if (job->kind == K6)
+        job->passes == 2 ? groups_q8(job, g0, g1, K6, 2) : groups_q8(job, g0, g1, K6, 1);
+    else if (job->kind == Q4_0)
         columns_of(job, g0, g1, Q4_0);
     else if (job->kind == Q4_1)
         columns_of(job, g0, g1, Q4_1);

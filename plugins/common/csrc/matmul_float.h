@@ -7,12 +7,18 @@ INLINE const uint8_t *group_start(const matmul_t *job, long g, long b, int kind)
     return job->blocks + (g * (job->k / QK) + b) * group_bytes(kind);
 }
 INLINE const uint8_t *group_codes(const matmul_t *job, long g, long b, int kind) {
-    return group_start(job, g, b, kind) + (kind == Q4_1 ? 4 : 2) * GROUP;
+    return group_start(job, g, b, kind) + head_bytes(kind);
 }
 
-/* Block b of group g: its 16 scales d and minima m (Q4_0, Q8_0: m is d, unused); returns its codes. */
+/* Block b of group g: its 16 scales d and minima m (Q4_0, Q8_0: m is d, unused; K6: d and m are
+ * the scales of the two halves); returns its codes. */
 INLINE const uint8_t *group_block(const matmul_t *job, long g, long b, int kind, vec *d, vec *m) {
     const uint8_t *blk = group_start(job, g, b, kind);
+    if (kind >= K4) {
+        *d = vload((const float *)blk);
+        *m = vload((const float *)blk + GROUP);
+        return group_codes(job, g, b, kind);
+    }
     *d = halves16(blk);
     *m = kind == Q4_1 ? halves16(blk + 2 * GROUP) : *d;
     return group_codes(job, g, b, kind);
@@ -32,7 +38,7 @@ static void *reserve(void **buf, size_t *cap, size_t need) {
 /* Row r of y at group g: acc plus the bias, the padding columns dropped. */
 INLINE void store_output(const matmul_t *job, long r, long g, vec acc) {
     long j = g * GROUP, valid = job->n - j;
-    store_group(job->y + r * job->n + j, vadd(acc, load_bias(job->bias ? job->bias + j : NULL, valid)), valid);
+    store_group(job->y + r * job->ldy + j, vadd(acc, load_bias(job->bias ? job->bias + j : NULL, valid)), valid);
 }
 
 /* The calling thread's panel: C groups' weights unpacked, [C][k][16] floats (see unpack_panel). */

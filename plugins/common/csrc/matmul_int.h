@@ -12,6 +12,9 @@
  *   Q4_0: acc = fma((S - 8 * sum(code_x)) * s, d, acc)
  *   Q4_1: acc = fma(S * s, d, acc); acc = fma(m, s * sum(code_x), acc)
  *   Q8_0: acc = fma(S * s, d, acc)
+ *   K4:   as Q4_1 (its float32 scale and minimum in place of d and m)
+ *   K6:   acc = fma(S_a * s, d_a, acc); acc = fma(S_b * s, d_b, acc) (S_a, S_b: the sums of the
+ *         block's weights 0..15 and 16..31, each with its own scale)
  * so a row's result is the same whatever the batch, the tiling, the threads or the ISA. */
 
 #define LEVELS_1 127.0f   /* one pass */
@@ -28,7 +31,7 @@ typedef struct {
     int passes;
     int8_t *xq;
     float *xs, *xsum;
-    int32_t *qsum;
+    int32_t *qsum, *qsum16;
 } quantize_t;
 
 /* Blocks [i0, i1) of x (block i: row i / (k / 32), its 32 values from column 32 * (i % (k / 32))). */
@@ -39,12 +42,12 @@ static void quantize_blocks(const void *arg, long i0, long i1) {
     int passes = a->passes;
     int8_t *xq = a->xq;
     float *xs = a->xs, *xsum = a->xsum;
-    int32_t *qsum = a->qsum;
+    int32_t *qsum = a->qsum, *qsum16 = a->qsum16;
     float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
     for (long i = i0; i < i1; i++) {
         const float *p = x + i * QK;
         int8_t *q = xq + i * QK, *q2 = q + mq * k; /* the second part (two passes) */
-        int32_t sum = 0;
+        int32_t sum = 0, first = 0; /* first: the sum of codes 0..15 */
 #if IFB_ISA == 512
         __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -61,14 +64,15 @@ static void quantize_blocks(const void *arg, long i0, long i1) {
             __m512i l7 = _mm512_set1_epi32(127), nl7 = _mm512_set1_epi32(-127);
             __m512i la = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qa, itimes256(ha)), l7), nl7);
             __m512i lb = _mm512_max_epi32(_mm512_min_epi32(_mm512_sub_epi32(qb, itimes256(hb)), l7), nl7);
-            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(itimes256(ha), la),
-                                                           _mm512_add_epi32(itimes256(hb), lb)));
+            first = _mm512_reduce_add_epi32(_mm512_add_epi32(itimes256(ha), la));
+            sum = first + _mm512_reduce_add_epi32(_mm512_add_epi32(itimes256(hb), lb));
             _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(la));
             _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(lb));
             qa = ha;
             qb = hb;
         } else {
-            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            first = _mm512_reduce_add_epi32(qa);
+            sum = first + _mm512_reduce_add_epi32(qb);
         }
         _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
@@ -83,24 +87,31 @@ static void quantize_blocks(const void *arg, long i0, long i1) {
                 int h = (int)nearbyintf((float)c * (1.0f / 256.0f)), l = c - 256 * h;
                 l = l > 127 ? 127 : l < -127 ? -127 : l;
                 sum += 256 * h + l;
+                if (j < QK / 2) first += 256 * h + l;
                 q2[j] = (int8_t)l;
                 c = h;
             } else {
                 sum += c;
+                if (j < QK / 2) first += c;
             }
             q[j] = (int8_t)c;
         }
 #endif
         xs[i] = top / levels;
         qsum[i] = sum;
+        if (qsum16 != NULL) {
+            qsum16[2 * i] = first;
+            qsum16[2 * i + 1] = sum - first;
+        }
         xsum[i] = xs[i] * (float)sum;
     }
 }
 
-/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]. */
+/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]; qsum16 (or NULL): the sums
+ * of each half block's codes. */
 static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
-                          int32_t *qsum, float *xsum) {
-    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum};
+                          int32_t *qsum, float *xsum, int32_t *qsum16) {
+    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum, qsum16};
     run_elementwise(quantize_blocks, &a, m * (k / QK), m * k);
 }
 
@@ -109,8 +120,17 @@ static void quantize_rows(const float *x, long m, long k, int passes, long mq, i
 INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec d, vec m, vec acc) {
     long rb = r * (job->k / QK) + b;
     int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
-    acc = vfmadd(icvt_scaled(kind == Q4_1 ? s : isub(s, fix), job->xs[rb]), d, acc);
-    return kind == Q4_1 ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
+    int affine = kind == Q4_1 || kind == K4;
+    acc = vfmadd(icvt_scaled(affine ? s : isub(s, fix), job->xs[rb]), d, acc);
+    return affine ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
+}
+
+/* K6's step: the two halves' sums sa and sb (with Q8_OFFSET's offset), scales da and db. */
+INLINE vec block_step_k6(const matmul_t *job, long r, long b, ivec sa, ivec sb, vec da, vec db, vec acc) {
+    long rb = r * (job->k / QK) + b;
+    int32_t fa = Q8_OFFSET ? 128 * job->qsum16[2 * rb] : 0, fb = Q8_OFFSET ? 128 * job->qsum16[2 * rb + 1] : 0;
+    acc = vfmadd(icvt_scaled(isub(sa, fa), job->xs[rb]), da, acc);
+    return vfmadd(icvt_scaled(isub(sb, fb), job->xs[rb]), db, acc);
 }
 
 #define Q8_AHEAD 4 /* blocks between a block's prefetch and its products */
@@ -123,7 +143,7 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 4
         for (int c = 0; c < C; c++) acc[r][c] = VZERO();
     for (long b = 0; b < nb; b++) {
-        ivec s[MAX_RQ][4];
+        ivec s[MAX_RQ][4], sb[MAX_RQ][4]; /* sb: K6's second half */
         vec d[4], m[4];
         const uint8_t *q[4];
 #pragma GCC unroll 4
@@ -132,25 +152,28 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
             if (b + Q8_AHEAD < nb) /* the group's blocks are contiguous: ask for one further on */
                 prefetch_span(group_start(job, g0 + c, b + Q8_AHEAD, kind), group_bytes(kind));
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) s[r][c] = izero();
+            for (int r = 0; r < R; r++) s[r][c] = sb[r][c] = izero();
         }
         /* Two passes: small tiles unpack each chunk once and sum its products with the codes'
          * high parts (s) and low parts (s2), then s = 256 * s + s2; larger ones (which would run
          * out of registers so) go over the block twice, s = 256 * s between the passes. */
-        const int fused = P == 2 && R * C <= 4;
-        ivec s2[MAX_RQ][4];
+        const int fused = P == 2 && R * C <= (kind == K6 ? 2 : 4);
+        ivec s2[MAX_RQ][4], s2b[MAX_RQ][4];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) s2[r][c] = izero();
+            for (int c = 0; c < C; c++) s2[r][c] = s2b[r][c] = izero();
         for (int pass = 0; pass < (fused ? 1 : P); pass++) {
             const int8_t *xb = job->xq + pass * job->mq * k + r0 * k + b * QK, *xb2 = xb + job->mq * k;
             if (pass > 0)
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                    for (int c = 0; c < C; c++) s[r][c] = itimes256(s[r][c]);
-            if (kind == Q8_0) {
+                    for (int c = 0; c < C; c++) {
+                        s[r][c] = itimes256(s[r][c]);
+                        if (kind == K6) sb[r][c] = itimes256(sb[r][c]);
+                    }
+            if (kind == Q8_0 || kind == K6) {
 #pragma GCC unroll 8
                 for (int t = 0; t < QK / 4; t++)
 #pragma GCC unroll 4
@@ -158,6 +181,11 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
                         wvec w = load_chunk(q[c] + t * CHUNK);
 #pragma GCC unroll 8
                         for (int r = 0; r < R; r++) {
+                            if (kind == K6 && t >= QK / 8) { /* weights 16..31 */
+                                sb[r][c] = dot4_q8(sb[r][c], w, xb + r * k + 4 * t);
+                                if (fused) s2b[r][c] = dot4_q8(s2b[r][c], w, xb2 + r * k + 4 * t);
+                                continue;
+                            }
                             s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
                             if (fused) s2[r][c] = dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
                         }
@@ -184,11 +212,16 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int c = 0; c < C; c++) s[r][c] = iadd(itimes256(s[r][c]), s2[r][c]);
+                for (int c = 0; c < C; c++) {
+                    s[r][c] = iadd(itimes256(s[r][c]), s2[r][c]);
+                    if (kind == K6) sb[r][c] = iadd(itimes256(sb[r][c]), s2b[r][c]);
+                }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int c = 0; c < C; c++) acc[r][c] = block_step(job, r0 + r, b, kind, s[r][c], d[c], m[c], acc[r][c]);
+            for (int c = 0; c < C; c++)
+                acc[r][c] = kind == K6 ? block_step_k6(job, r0 + r, b, s[r][c], sb[r][c], d[c], m[c], acc[r][c])
+                                       : block_step(job, r0 + r, b, kind, s[r][c], d[c], m[c], acc[r][c]);
     }
 #pragma GCC unroll 4
     for (int c = 0; c < C; c++)

@@ -10,6 +10,10 @@
  *   Q4_0: 16 d, then 4 chunks    (code byte i of a column: weights i and i + 16, as in GGUF)
  *   Q4_1: 16 d, 16 m, then 4 chunks
  *   Q8_0: 16 d, then 8 chunks    (codes stored + 128, as unsigned bytes)
+ *   K4:   16 float32 scales, 16 float32 minima, then 4 chunks as Q4_1's (a Q4_K sub-block of 32:
+ *         scale d * sc and minimum -dmin * m, exact in float32; codes 0..15)
+ *   K6:   16 float32 scales of weights 0..15, 16 of weights 16..31, then 8 chunks as Q8_0's (a
+ *         Q6_K block's two sub-blocks of 16: scales d * sc, codes q - 32 stored + 128)
  * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in
  * one fixed order (block by block; within a block weights 0, 16, 1, 17, ..., 15, 31), whatever
  * R and C are: a row's result never depends on its batch mates. */
@@ -18,7 +22,7 @@
 #define CHUNK 64 /* code bytes 4i..4i+3 of the 16 columns: 4 bytes per column */
 
 typedef struct {
-    int kind;              /* Q4_0, Q4_1 or Q8_0 */
+    int kind;              /* Q4_0, Q4_1, Q8_0, K4 or K6 */
     int passes;            /* integer activations in 1 or 2 int8 passes (the fields below); 0: float32 x */
     const float *x;        /* [m, k] */
     long m, k, n;
@@ -31,10 +35,13 @@ typedef struct {
     const int32_t *qsum;   /* [mq, k / 32] sums of a block's codes */
     const float *xsum;     /* [mq, k / 32] scale * code sum */
     long mq;               /* rows of codes: m, or m padded with zero rows to whole AMX tiles */
+    const int32_t *qsum16; /* [mq, k / 16] sums of each half block's codes (K6's sub-blocks) */
+    long ldy;              /* y's row stride (n, or more: a slice of wider rows) */
 } matmul_t;
 
-/* Bytes of one group's block. */
+/* Bytes of one group's block, and of its scales (and minima) before the code chunks. */
 INLINE long group_bytes(int kind) { return GROUP * BLOCK_BYTES[kind]; }
+INLINE long head_bytes(int kind) { return kind == Q4_1 ? 4 * GROUP : kind >= K4 ? 8 * GROUP : 2 * GROUP; }
 
 /* GGUF rows [n, k / 32 blocks] -> interleaved groups; columns past n (the last group's padding)
  * get zero scales, so their weights are zero. */

@@ -276,7 +276,7 @@ int ifb_stored_matmul(const float *x, long m, long k, const uint8_t *rows, int t
     float *xs = (float *)buf, *xsum = xs + nbk;
     int32_t *qsum = (int32_t *)(xsum + nbk);
     int8_t *xq = (int8_t *)(qsum + nbk);
-    quantize_rows(x, m, k, passes, m, xq, xs, qsum, xsum);
+    quantize_rows(x, m, k, passes, m, xq, xs, qsum, xsum, NULL);
     int16_t *xc = (int16_t *)(xq + passes * m * k); /* aligned: k is a multiple of 32 */
     for (long i = 0; i < m * k; i++) xc[i] = (int16_t)(passes == 2 ? 256 * xq[i] + xq[m * k + i] : xq[i]);
     stored_t job = {type, passes, m, k, n, row_bytes, rows, bias, y, xc, xs, xsum};
@@ -285,5 +285,50 @@ int ifb_stored_matmul(const float *x, long m, long k, const uint8_t *rows, int t
 #else
     run_elementwise(stored_columns, &job, n, m * n * (k / QK));
 #endif
+    return 0;
+}
+
+/* ---- K-quant rows for the interleaved kernels ----
+ * Q4_K and Q6_K rows [n, row_bytes] as stored -> the K4 / K6 groups of matmul_layout.h, through
+ * decode_row: the same codes and the same float32 scales (and minima) stored_groups multiplies, so
+ * the interleaved kernels give stored_matmul's bits. Columns past n get zero scales and codes.
+ * 0; -2 for another type (or a k it cannot read). */
+int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t *dst) {
+    long row_bytes = stored_row_bytes(type, k);
+    if (row_bytes < 0 || (type != T_Q4_K && type != T_Q6_K)) return -2;
+    int kind = type == T_Q4_K ? K4 : K6;
+    long nb = k / QK, groups = (n + GROUP - 1) / GROUP, gb = group_bytes(kind), head = head_bytes(kind);
+    int8_t *codes = (int8_t *)malloc((size_t)k);
+    float *scales = (float *)malloc(sizeof(float) * (size_t)(k / 16)), *mins = (float *)malloc(sizeof(float) * (size_t)nb);
+    if (codes == NULL || scales == NULL || mins == NULL) {
+        free(codes);
+        free(scales);
+        free(mins);
+        return -1;
+    }
+    memset(dst, 0, (size_t)(groups * nb * gb));
+    for (long j = 0; j < n; j++) {
+        decode_row(type, src + j * row_bytes, k, codes, scales, mins);
+        long g = j / GROUP, c = j % GROUP;
+        for (long b = 0; b < nb; b++) {
+            uint8_t *out = dst + (g * nb + b) * gb;
+            float *f = (float *)out; /* [16 scales][16 minima or second scales] */
+            const int8_t *q = codes + b * QK;
+            if (kind == K4) {
+                f[c] = scales[b];
+                f[GROUP + c] = mins[b];
+                for (int i = 0; i < QK / 2; i++) /* byte i: weights i and i + 16, as Q4_1's */
+                    out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] | q[i + QK / 2] << 4);
+            } else {
+                f[c] = scales[2 * b];
+                f[GROUP + c] = scales[2 * b + 1];
+                for (int i = 0; i < QK; i++) /* code + 128, as Q8_0's */
+                    out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] ^ 0x80);
+            }
+        }
+    }
+    free(codes);
+    free(scales);
+    free(mins);
     return 0;
 }

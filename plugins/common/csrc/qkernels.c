@@ -50,13 +50,15 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 /* ---- the entry points (qkernels.py) ---- */
 
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
- * (interleaved by ifb_interleave from GGUF blocks of `kind`), plus bias [n] (or NULL). `passes`:
- * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0).
- * 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
-int ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
-                     const float *bias, float *y, long n) {
-    if (kind < Q4_0 || kind > Q8_0) return -2;
+ * (interleaved by ifb_interleave from GGUF blocks of `kind`, or by ifb_interleave_kquant for K4 and
+ * K6), plus bias [n] (or NULL); y's rows are ldy floats apart (n: a plain [m, n] matrix). `passes`:
+ * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0: not for
+ * K4 and K6). 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
+int ifb_block_matmul_ld(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                        const float *bias, float *y, long n, long ldy) {
+    if (kind < Q4_0 || kind > K6 || (kind >= K4 && passes != 1 && passes != 2) || ldy < n) return -2;
     job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, 0, x, m, k, n, blocks, bias, y}};
+    job.mm.ldy = ldy;
     if (passes == 1 || passes == 2) { /* the caller's buffers: helpers read them only while it waits */
         static __thread void *codes_buf;
         static __thread size_t codes_cap;
@@ -66,28 +68,35 @@ int ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int 
         if (job.mm.use_amx && m % AMX_ROWS >= AMX_PAD_MIN) mq = (m / AMX_ROWS + 1) * AMX_ROWS;
 #endif
         size_t nbk = (size_t)(mq * (k / QK)), real = (size_t)(m * (k / QK));
-        void *buf = reserve(&codes_buf, &codes_cap, (size_t)(passes * mq * k) + 12 * nbk);
+        void *buf = reserve(&codes_buf, &codes_cap, (size_t)(passes * mq * k) + 20 * nbk);
         if (buf == NULL) return -1;
         float *xs = (float *)buf, *xsum = xs + nbk; /* the 4-byte arrays first: aligned */
-        int32_t *qsum = (int32_t *)(xsum + nbk);
-        int8_t *xq = (int8_t *)(qsum + nbk);
-        quantize_rows(x, m, k, passes, mq, xq, xs, qsum, xsum);
+        int32_t *qsum = (int32_t *)(xsum + nbk), *qsum16 = qsum + nbk;
+        int8_t *xq = (int8_t *)(qsum16 + 2 * nbk);
+        quantize_rows(x, m, k, passes, mq, xq, xs, qsum, xsum, kind == K6 ? qsum16 : NULL);
         if (mq > m) { /* zero rows: zero codes and scales, results computed and dropped */
             for (int pass = 0; pass < passes; pass++)
                 memset(xq + pass * mq * k + m * k, 0, (size_t)((mq - m) * k));
             memset(xs + real, 0, sizeof(float) * (nbk - real));
             memset(xsum + real, 0, sizeof(float) * (nbk - real));
             memset(qsum + real, 0, sizeof(int32_t) * (nbk - real));
+            memset(qsum16 + 2 * real, 0, sizeof(int32_t) * 2 * (nbk - real));
         }
         job.mm.passes = passes;
         job.mm.mq = mq;
         job.mm.xq = xq;
         job.mm.xs = xs;
         job.mm.qsum = qsum;
+        job.mm.qsum16 = qsum16;
         job.mm.xsum = xsum;
     }
     run_job(&job, m * n * (k / QK));
     return 0;
+}
+
+int ifb_block_matmul(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                     const float *bias, float *y, long n) {
+    return ifb_block_matmul_ld(x, m, k, blocks, kind, passes, bias, y, n, n);
 }
 
 /* out[r] = the index of the first maximum of row r of x [m, n] (n >= 1), or of its first NaN: the

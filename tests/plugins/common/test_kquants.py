@@ -113,7 +113,8 @@ def test_blocks_decode_as_gguf_dequantizes(qtype: Q) -> None:
     assert written.shape == raw.shape
     restored = gguf.quants.dequantize(written, qtype)
     assert np.abs(restored - weights).max() < {Q.Q4_K: 0.3, Q.Q6_K: 0.1}.get(qtype, 0.2)
-    assert quant.read_blocks(GGUFTensor("w", qtype, (24, 512), raw)) is None  # not a native kind
+    native = quant.read_blocks(GGUFTensor("w", qtype, (24, 512), raw))  # by default the interleaved kinds only
+    assert (native is None) == (qtype not in quant.KINDS)
     assert quant.read_blocks(GGUFTensor("w", qtype, (24, 512), raw), quant.STORED).bits == quant.BITS[qtype]
 
 
@@ -180,6 +181,21 @@ def test_torch_integer_path_gives_the_native_kernels_bits(qtype: Q, activations:
     assert torch.equal(native(x), ref(x))
 
 
+def test_q5_0_as_q8_0_keeps_every_weight() -> None:
+    raw = random_blocks(Q.Q5_0, 7, 256, seed=15)
+    converted = quant.q5_0_as_q8_0(quant.BlockWeight(Q.Q5_0, torch.from_numpy(raw), 256))
+    assert converted.qtype == Q.Q8_0 and converted.shape == (7, 256)
+    assert torch.equal(converted.dequantize(), quant.BlockWeight(Q.Q5_0, torch.from_numpy(raw), 256).dequantize())
+
+
+def test_kquant_kinds_refuse_float32_activations() -> None:
+    if KERNELS is None:
+        pytest.skip("the native kernels cannot be built here")
+    weight = quant.BlockWeight(Q.Q4_K, torch.from_numpy(random_blocks(Q.Q4_K, 16, 256)), 256)
+    with pytest.raises(ValueError, match="int16 or int8"):
+        quant.BlockLinear(weight, None, KERNELS, activations="float32")
+
+
 #: a Q4_K_M-style mix over two layers (llama.cpp: Q4_K mostly, Q6_K for V / down / the head, Q8_0),
 #: and the other types read as stored in the second layer
 MIX = {
@@ -218,16 +234,18 @@ def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gg
     assert first.self_attn.q_proj.qtype == first.self_attn.k_proj.qtype == Q.Q4_K
     assert first.self_attn.v_proj.qtype == Q.Q6_K and first.mlp.down_proj.qtype == Q.Q6_K
     assert first.mlp.gate_up_proj.qtype == Q.Q4_K and first.self_attn.o_proj.qtype == Q.Q4_K
-    assert second.self_attn.qkv_proj.qtype == Q.Q5_0 and second.self_attn.o_proj.qtype == Q.Q5_1
-    assert second.mlp.gate_up_proj.qtype == Q.Q5_K
+    assert second.self_attn.o_proj.qtype == Q.Q5_1 and second.mlp.gate_up_proj.qtype == Q.Q5_K
     torch_modules = [m for m in model.modules() if isinstance(m, quant_torch.BlockTorchLinear)]
     stored = [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
-    if backend == "native":  # every type on a native kernel: Q8_0 interleaved, the others as stored
-        assert isinstance(second.mlp.down_proj, quant.BlockLinear)
+    if backend == "native":  # every type on a native kernel: Q5_0 as Q8_0 blocks; Q5_1, Q5_K as stored
+        assert second.self_attn.qkv_proj.qtype == Q.Q8_0 and isinstance(second.mlp.down_proj, quant.BlockLinear)
+        assert all(isinstance(m, quant.BlockLinear) for m in (first.self_attn.q_proj, first.self_attn.v_proj,
+                                                               first.mlp.gate_up_proj, first.mlp.down_proj))
         assert report.num_quantized == 14 and report.num_kept == 0 and report.num_torch == 0
-        assert isinstance(model.head, quant.StoredBlockLinear) and model.head.qtype == Q.Q6_K
-        assert len(stored) == 10 and not torch_modules and report.head == "on GGUF blocks (Q6_K)"
+        assert isinstance(model.head, quant.BlockLinear) and model.head.qtype == Q.Q6_K
+        assert len(stored) == 2 and not torch_modules and report.head == "on GGUF blocks (Q6_K)"
     else:  # torch's integer path; Q8_0 stays float32 there, as before
+        assert second.self_attn.qkv_proj.qtype == Q.Q5_0
         assert report.num_quantized == 13 and report.num_kept == 1 and report.num_torch == 13
         assert len(torch_modules) == 9 and not stored
     assert all(m.activations == "int16" for m in torch_modules + stored)
@@ -241,3 +259,38 @@ def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gg
     batched = greedy_generate_batch(model, PROMPTS, 8, block_size=4)
     assert batched == [greedy_generate(model, p, 8, block_size=4) for p in PROMPTS]
     assert batched == greedy_generate_batch(reference, PROMPTS, 8, block_size=4)
+
+
+#: llama.cpp's Q4_K_M over two layers, as for a model whose widths are whole super-blocks: Q4_K, with
+#: Q6_K for V, down and the head; Q5_0 (llama.cpp's fallback) for the first layer's gate and up
+Q4_K_M = {"token_embd.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q4_K for i in (0, 1) for name in (
+    "attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")},
+          "blk.0.attn_v.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q4_K, "blk.0.ffn_down.weight": Q.Q6_K,
+          "blk.1.ffn_down.weight": Q.Q4_K, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q5_0}
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_path: Path) -> None:
+    from ifb_plugins.common.native_decoder import use_native_decoder
+
+    hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
+                              num_layers=2, num_heads=4, num_kv_heads=2)
+    path = save_tiny_gguf(hf, tmp_path / "q4_k_m.gguf", tensor_types=Q4_K_M, quantize=quantize_k)
+    raw = read_gguf_tensors(path)
+    modules, native = build_model(load_checkpoint(path)), build_model(load_checkpoint(path))
+    for model in (modules, native):
+        report = quant.quantize_model(model, raw, "native")
+        quant.use_native_attention(model, KERNELS)
+        assert report.num_quantized == 14 and report.num_torch == 0
+        assert not [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
+    first, second = native.model.layers
+    assert first.self_attn.v_proj.qtype == Q.Q6_K and first.self_attn.qkv_proj is None
+    assert second.self_attn.qkv_proj.qtype == Q.Q4_K and first.mlp.gate_up_proj.qtype == Q.Q8_0
+    assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
+    ids = PROMPTS[1]
+    got, ref = prefill_logits(native, ids), prefill_logits(modules, ids)
+    # the same matmuls; the norms' last-bit differences can move an activation code by one step
+    assert (got - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    batched = greedy_generate_batch(native, PROMPTS, 8, block_size=4)
+    assert batched == [greedy_generate(native, p, 8, block_size=4) for p in PROMPTS]
+    assert batched == greedy_generate_batch(modules, PROMPTS, 8, block_size=4)
