@@ -13,7 +13,11 @@ The table gives each server's mean of its two runs and the ratio. Workloads (all
 - ``no_max_tokens``: chat requests without ``max_tokens``, answers end at EOS or at the context
   (random weights rarely say EOS, so there it is the servers' cap: ``--context`` tokens a seat).
 
-Also recorded: each server's resident memory after loading and its peak, and batch-1 decode as a
+Each pair of runs sends its own prompts (drawn from the workload's seed plus 1000 times the pair's
+number), the same to both servers: neither replays a prompt it has seen, so llama.cpp's per-slot
+prompt cache cannot skip a prefill that ifb computes. Before measuring, each server answers one
+warm-up burst (16 requests of 300 words). Also recorded: each server's resident memory after
+loading and its peak, and batch-1 decode as a
 fraction of this machine's measured read bandwidth for the bytes a token streams (the GGUF's
 tensors). llama.cpp is built by ``llama_cpp_build.py`` (cached; about 13 minutes the first time)
 and run with ``--no-repack`` (its AMX repacking crashes on some VMs; ``--repack`` allows it).
@@ -57,22 +61,46 @@ SUMMARY = HERE / "vs_llama_cpp.json"
 README = HERE / "README.md"
 BEGIN, END = "<!-- llama-cpp:begin (written by vs_llama_cpp.py) -->", "<!-- llama-cpp:end -->"
 SERVERS = ("ifb", "llama.cpp")
-ORDER = ("ifb", "llama.cpp", "llama.cpp", "ifb")
+#: A-B-B-A, each pair of runs on its own prompts (the workload's seed + 1000 * the number): a server
+#: never sees a prompt again, so a prompt cache (llama.cpp keeps each slot's last prompt) cannot
+#: skip a prefill the other server computes
+ORDER = (("ifb", 0), ("llama.cpp", 0), ("llama.cpp", 1), ("ifb", 1))
+#: sent to each server once before measuring: the first large batches pay for allocations
+WARMUP = Workload(name="warmup", kind="fixed", num_requests=16, concurrency=16, seed=999,
+                  output_lengths=(LengthBand(1.0, 8, 8),), prompt_words=(300, 300))
 
 
-def workloads(rate: float) -> list[Workload]:
+def workloads(rate: float, scale: float = 1.0, real_weights: bool = True) -> list[Workload]:
+    """The workloads, ``scale`` times as many requests (a closed loop keeps at least one per client).
+
+    Without max_tokens a real model's answers end at EOS; a random-weight one rarely says EOS, so
+    its answers run to the context's end: there the prompts are long (600 words), so that an answer
+    is a few hundred tokens, the server's cap (the context) deciding where it stops."""
+
+    def n(count: int, clients: int = 1) -> int:
+        return max(clients, round(count * scale))
+
+    if real_weights:
+        no_max = Workload(name="no_max_tokens", kind="fixed", num_requests=n(8, 8), concurrency=8,
+                          prompt_words=(4, 8), ignore_eos=False, send_max_tokens=False,
+                          instruction="In one short sentence, which of these words is the oddest?")
+    else:
+        no_max = Workload(name="no_max_tokens", kind="fixed", num_requests=n(8, 8), concurrency=8,
+                          prompt_words=(600, 600), ignore_eos=False, send_max_tokens=False)
     return [
-        Workload(name="batch1", kind="fixed", num_requests=4, concurrency=1),
-        Workload(name="concurrent8", kind="fixed", num_requests=16, concurrency=8),
-        Workload(name="concurrent16", kind="fixed", num_requests=32, concurrency=16),
-        Workload(name="poisson", kind="skewed", num_requests=48, rate=rate, seed=1,
+        Workload(name="batch1", kind="fixed", num_requests=n(4), concurrency=1),
+        Workload(name="concurrent8", kind="fixed", num_requests=n(16, 8), concurrency=8),
+        Workload(name="concurrent16", kind="fixed", num_requests=n(32, 16), concurrency=16),
+        Workload(name="poisson", kind="skewed", num_requests=n(48, 8), rate=rate * scale, seed=1,
                  output_lengths=(LengthBand(0.8, 8, 32), LengthBand(0.2, 128, 256)), prompt_words=(8, 96)),
-        Workload(name="prompt_heavy", kind="fixed", num_requests=16, concurrency=8,
+        Workload(name="prompt_heavy", kind="fixed", num_requests=n(16, 8), concurrency=8,
                  output_lengths=(LengthBand(1.0, 32, 32),), prompt_words=(700, 700)),
-        Workload(name="no_max_tokens", kind="fixed", num_requests=8, concurrency=8, prompt_words=(4, 8),
-                 ignore_eos=False, send_max_tokens=False,
-                 instruction="In one short sentence, which of these words is the oddest?"),
+        no_max,
     ]
+
+
+#: requests per workload for each model, against the 0.5B shape's (bigger models: fewer requests)
+SCALES = {"qwen2.5-0.5b": 1.0, "qwen2.5-1.5b": 0.5, "qwen2.5-3b": 0.25}
 
 
 def quick(workload: Workload) -> Workload:
@@ -173,17 +201,22 @@ def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
 def measure_model(model: Model, binary: Path, chosen: list[Workload], out_dir: Path, args: argparse.Namespace) -> dict:
     procs: dict[str, tuple[subprocess.Popen, str]] = {}
     result: dict = {"model": model.key, "title": model.title, "bytes_per_token": model.num_bytes,
-                    "file_bytes": model.path.stat().st_size, "workloads": {}}
+                    "file_bytes": model.path.stat().st_size, "workloads": {},
+                    "requests": {w.name: w.num_requests for w in chosen}}
     try:
         for name in SERVERS:  # one at a time, so the load-time peaks are each server's own
             procs[name] = start_server(name, model, binary, args.context, out_dir / f"{model.key}.{name}.log".replace(":", "-"),
                                        args.repack, args.threads)
             wait_ready(procs[name][1], procs[name][0], args.startup_timeout)
         result["memory_mib_loaded"] = {name: rss_mib(proc.pid) for name, (proc, _) in procs.items()}
+        for _, url in procs.values():
+            run(Target(url), quick(WARMUP) if args.quick else WARMUP, progress=False)
+        result["memory_mib_warm"] = {name: rss_mib(proc.pid) for name, (proc, _) in procs.items()}
         for workload in chosen:
             runs: dict[str, list[dict]] = {name: [] for name in SERVERS}
-            for name in ORDER:
-                summary = report(run(Target(procs[name][1], endpoint=_endpoint(workload)), workload,
+            for name, pair in ORDER:
+                sent = attrs.evolve(workload, seed=workload.seed + 1000 * pair)
+                summary = report(run(Target(procs[name][1], endpoint=_endpoint(workload)), sent,
                                      progress=False))["summary"]
                 runs[name].append(summary)
                 print(f"   {model.key} {workload.name:14} {name:9} {summary['output_tokens_per_s']:8.1f} tok/s  "
@@ -256,15 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.publish and args.quick:
         parser.error("a quick run is not representative: --publish takes a full run")
-    chosen = workloads(args.rate)
-    if args.workloads:
-        wanted = [w.strip() for w in args.workloads.split(",")]
-        unknown = set(wanted) - {w.name for w in chosen}
-        if unknown:
-            parser.error(f"unknown workload(s) {', '.join(sorted(unknown))}")
-        chosen = [w for w in chosen if w.name in wanted]
-    if args.quick:
-        chosen = [quick(w) for w in chosen]
+    names = [w.name for w in workloads(args.rate)]
+    wanted = [w.strip() for w in args.workloads.split(",")] if args.workloads else names
+    unknown = set(wanted) - set(names)
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(sorted(unknown))}")
+
+    def chosen_for(key: str) -> list[Workload]:
+        scale = SCALES.get(key.partition(":")[0], 1.0)
+        chosen = [w for w in workloads(args.rate, scale, key == "default") if w.name in wanted]
+        return [quick(w) for w in chosen] if args.quick else chosen
 
     binary = llama_cpp_build.build(args.llama_cpp_version)
     vocab_dir = llama_cpp_build.cache_dir(args.llama_cpp_version) / "src" / "models"
@@ -274,12 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"machine": machine_info(quick=args.quick), "bandwidth_gb_s": read_bandwidth(),
                "llama_cpp_version": args.llama_cpp_version, "threads": args.threads, "repack": args.repack,
-               "context": args.context, "quick": args.quick, "workloads": [w.name for w in chosen], "models": []}
+               "context": args.context, "quick": args.quick, "workloads": wanted, "models": []}
     print(f"read bandwidth {summary['bandwidth_gb_s']:.1f} GB/s", flush=True)
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:
         model = default_model() if key == "default" else shape_model(key, args.models_dir, vocab_dir, args.context)
         print(f"== {model.title}", flush=True)
-        summary["models"].append(measure_model(model, binary, chosen, out_dir, args))
+        summary["models"].append(measure_model(model, binary, chosen_for(key), out_dir, args))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     table = render(summary)
     print("\n" + table)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 import gguf
@@ -196,6 +196,30 @@ def _tensors_and_config(
     return config, out
 
 
+def deferred_names(tensors: dict[str, GGUFTensor]) -> list[str]:
+    """The names ``load_gguf(defer_quantized=True)`` leaves unread: quantized 2-D projections and
+    embeddings of a dense model (a mixture of experts is read whole, as before)."""
+    if any(".experts." in name for name in tensors):
+        return []
+    dense = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    return [name for name, t in tensors.items()
+            if t.ggml_type not in dense and len(t.shape) == 2 and _DEFERRABLE.fullmatch(name)]
+
+
+def materialize(model: torch.nn.Module, path: str | Path, names: Iterable[str]) -> int:
+    """Fill the deferred tensors ``model`` still holds (by state-dict name) from the file, in float32;
+    returns how many. A deferred matrix that went onto blocks is no longer in the state dict."""
+    wanted = set(names) & set(model.state_dict(keep_vars=True))
+    if not wanted:
+        return 0
+    tensors = read_gguf_tensors(path)
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name in sorted(wanted):
+            state[name].copy_(dequantize(tensors[name]))
+    return len(wanted)
+
+
 def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     """The file's tensors, still quantized, keyed by HF name (Q/K rows un-permuted)."""
     reader = gguf.GGUFReader(str(path))
@@ -210,16 +234,29 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(values.reshape(tensor.shape))
 
 
-def load_gguf(path: str | Path) -> tuple[TextModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+#: the matrices ``load_gguf(defer_quantized=True)`` leaves unread: those a quantized deployment
+#: multiplies (or looks up) in their blocks
+_DEFERRABLE = re.compile(r"model\.embed_tokens\.weight|lm_head\.weight|"
+                         r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
+def load_gguf(path: str | Path, *, defer_quantized: bool = False
+              ) -> tuple[TextModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Read a GGUF file: ``(config, float32 HF-named state dict, metadata)``.
 
     The metadata dict holds every GGUF key (``tokenizer.ggml.*``,
     ``tokenizer.chat_template``, ...) for ``TextTokenizer.from_gguf_metadata``.
+
+    ``defer_quantized``: the quantized projection matrices and the embedding of a dense model come
+    back as uninitialised tensors of their shape (memory is reserved, never touched): a deployment
+    that moves them onto block matmuls never holds their float32 copies; ``deferred_names`` lists
+    them, and ``materialize`` fills those it still needs in float32.
     """
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(reader)
     config, tensors = _tensors_and_config(reader, meta)
-    state_dict = {name: dequantize(t) for name, t in tensors.items()}
+    defer = set(deferred_names(tensors)) if defer_quantized else set()
+    state_dict = {name: torch.empty(t.shape) if name in defer else dequantize(t) for name, t in tensors.items()}
     if config.num_experts:
         state_dict = fuse_expert_state(state_dict)
     return config, state_dict, meta

@@ -226,6 +226,26 @@ class StoredBlockLinear(nn.Module):
                 f"as stored, {self.activations} activations")
 
 
+class BlockEmbedding(nn.Module):
+    """``nn.Embedding``'s lookup over a GGUF matrix kept in its blocks ``[V, row bytes]``: each row
+    looked up is dequantized as ``gguf`` dequantizes the whole table, so the rows are the float32
+    table's, for a quarter or less of its memory (the table is read a few rows a step)."""
+
+    def __init__(self, weight: BlockWeight) -> None:
+        super().__init__()
+        self.qtype = weight.qtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.register_buffer("blocks", weight.blocks.contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)].numpy()
+        values = np.ascontiguousarray(gguf.quants.dequantize(rows, self.qtype), dtype=np.float32)
+        return torch.from_numpy(values).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
+
+
 @attrs.frozen
 class QuantizationReport:
     """What ``quantize_model`` did, for the load log."""
@@ -237,14 +257,17 @@ class QuantizationReport:
     activations: str = "float32"
     #: of ``num_quantized``, those on ``quant_torch.BlockTorchLinear`` (types without a native kernel)
     num_torch: int = 0
+    #: the token embedding's GGUF type when it is looked up in its blocks (``BlockEmbedding``)
+    embedding_blocks: str | None = None
 
     def describe(self) -> str:
         if self.backend is None:
             return "float32"
         torch_note = f" ({self.num_torch} of them in torch, by their block type)" if self.num_torch else ""
+        embedding = f", embedding looked up in its {self.embedding_blocks} blocks" if self.embedding_blocks else ""
         return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}, {self.activations} "
                 f"activations){torch_note}, "
-                f"{self.num_kept} in float32, output head {self.head}")
+                f"{self.num_kept} in float32, output head {self.head}{embedding}")
 
 
 def choose_backend() -> Backend | None:
@@ -386,6 +409,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
         a, b = _swap_layer(layer, f"model.layers.{i}", swap)
         done, kept = done + a, kept + b
     head = "float32"
+    embedding = None
     num_torch = swap.num_torch
     if done:
         tied = model.config.tie_word_embeddings
@@ -396,12 +420,17 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
             model.head = swap.module(block, None)
             where = " in torch" if swap.num_torch > num_torch else ""
             head = f"on GGUF blocks ({tensor.ggml_type.name}{where})"  # type: ignore[union-attr]
+            table = raw_tensors.get("model.embed_tokens.weight")
+            rows = None if table is None else read_blocks(table, STORED)
+            if rows is not None:
+                model.model.embed_tokens = BlockEmbedding(rows)
+                embedding = rows.qtype.name
         elif backend == "torch-int4":
             weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
             model.head = quant_torch.RescoredHead(weight.detach())
             head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
     return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations,
-                              num_torch)
+                              num_torch, embedding)
 
 
 def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:

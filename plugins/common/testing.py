@@ -279,8 +279,8 @@ def greedy_generate_batch(
     are never contiguous in the cache (as in a real serving run). The KV cache holds
     ``kv_dtype`` (default: the model's dtype).
     """
-    device = model.model.embed_tokens.weight.device
-    dtype = model.model.embed_tokens.weight.dtype
+    device = model.model.norm.weight.device  # the embedding may be looked up in GGUF blocks
+    dtype = model.model.norm.weight.dtype
     per_seq = [math.ceil((len(p) + n) / block_size) for p in prompts]
     width = max(per_seq)
     tables = [[j * len(prompts) + b for j in range(per_seq[b])] for b in range(len(prompts))]

@@ -105,11 +105,17 @@ def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> 
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
     mode = quantization_mode(config)
-    loaded = load_checkpoint(path)
+    adapters = dict(config.options.get("lora_adapters") or {})
+    # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards
+    # (a type with no block path, or a float32 deployment after all) is read in float32 then
+    loaded = load_checkpoint(path, defer_quantized=mode != "none" and not adapters)
     model = build_model(loaded, dtype=torch.float32)
     name = config.options.get("served_model_name") or model_name_for(path)
-    adapters = dict(config.options.get("lora_adapters") or {})
     prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
+    if loaded.deferred:
+        from ifb_plugins.common.gguf_loader import materialize
+
+        materialize(model, loaded.path, loaded.deferred)
     lora = LoraSet(model, adapters)
     kv_dtype = kv_cache_dtype(config, mode, prepared)
     log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache)", name, loaded.source, loaded.config.num_layers,
