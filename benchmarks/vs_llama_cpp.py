@@ -85,7 +85,7 @@ def workloads(rate: float, scale: float = 1.0, real_weights: bool = True) -> lis
                           prompt_words=(4, 8), ignore_eos=False, send_max_tokens=False,
                           instruction="In one short sentence, which of these words is the oddest?")
     else:
-        no_max = Workload(name="no_max_tokens", kind="fixed", num_requests=n(8, 8), concurrency=8,
+        no_max = Workload(name="no_max_tokens", kind="fixed", num_requests=n(4, 4), concurrency=4,
                           prompt_words=(600, 600), ignore_eos=False, send_max_tokens=False)
     return [
         Workload(name="batch1", kind="fixed", num_requests=n(4), concurrency=1),
@@ -263,7 +263,8 @@ def render(summary: dict) -> str:
         if "batch1" in m["workloads"]:
             for name in SERVERS:
                 rate = _mean(m["workloads"]["batch1"][name], "output_tokens_per_s")
-                frac.append(f"{100 * rate * m['bytes_per_token'] / 1e9 / summary['bandwidth_gb_s']:.0f} %")
+                bandwidth = m.get("bandwidth_gb_s", summary["bandwidth_gb_s"])
+                frac.append(f"{100 * rate * m['bytes_per_token'] / 1e9 / bandwidth:.0f} %")
         mem = " ; ".join(f"{m['memory_mib_loaded'][n]['rss']:.0f} / {m['memory_mib_after'][n]['peak']:.0f}"
                          for n in SERVERS)
         lines.append(f"| {m['title']}, {m['bytes_per_token'] / 2**20:.0f} MiB a token | " + " | ".join(cells)
@@ -283,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repack", action="store_true", help="Let llama.cpp repack weights (AMX).")
     parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")
     parser.add_argument("--publish", action="store_true", help="Write vs_llama_cpp.json and the README table.")
+    parser.add_argument("--table-only", type=Path, metavar="SUMMARY",
+                        help="Only publish the table of a run's summary.json (with --publish).")
+    parser.add_argument("--append", action="store_true",
+                        help="Add to (or replace models in) this date's summary instead of starting a new one.")
     parser.add_argument("--models-dir", type=Path, default=llama_cpp_build.cache_dir("models"))
     parser.add_argument("--llama-cpp-version", default=llama_cpp_build.DEFAULT_VERSION)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -300,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [w for w in workloads(args.rate, scale, key == "default") if w.name in wanted]
         return [quick(w) for w in chosen] if args.quick else chosen
 
+    if args.table_only is not None:
+        summary = json.loads(args.table_only.read_text())
+        print(render(summary))
+        if args.publish:
+            publish(summary)
+        return 0
     binary = llama_cpp_build.build(args.llama_cpp_version)
     vocab_dir = llama_cpp_build.cache_dir(args.llama_cpp_version) / "src" / "models"
     args.models_dir.mkdir(parents=True, exist_ok=True)
@@ -310,24 +321,35 @@ def main(argv: list[str] | None = None) -> int:
                "llama_cpp_version": args.llama_cpp_version, "threads": args.threads, "repack": args.repack,
                "context": args.context, "quick": args.quick, "workloads": wanted, "models": []}
     print(f"read bandwidth {summary['bandwidth_gb_s']:.1f} GB/s", flush=True)
+    previous = out_dir / "summary.json"
+    if args.append and previous.exists():  # earlier models stay, each with the bandwidth of its own run
+        earlier = json.loads(previous.read_text())
+        summary["models"] = earlier["models"]
+        summary["workloads"] = list(dict.fromkeys(earlier["workloads"] + summary["workloads"]))
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:
         model = default_model() if key == "default" else shape_model(key, args.models_dir, vocab_dir, args.context)
         print(f"== {model.title}", flush=True)
-        summary["models"].append(measure_model(model, binary, chosen_for(key), out_dir, args))
+        measured = measure_model(model, binary, chosen_for(key), out_dir, args)
+        measured["bandwidth_gb_s"] = summary["bandwidth_gb_s"]
+        summary["models"] = [m for m in summary["models"] if m["model"] != key] + [measured]
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    table = render(summary)
-    print("\n" + table)
+    print("\n" + render(summary))
     if args.publish:
-        SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
-        text = README.read_text()
-        block = f"{BEGIN}\n{table}\n{END}"
-        if BEGIN in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip("\n") + f"\n\n## Against llama.cpp\n\n{block}\n"
-        README.write_text(text)
+        publish(summary)
     return 0
+
+
+def publish(summary: dict) -> None:
+    """``summary`` as ``vs_llama_cpp.json``, and its table in the README between the markers."""
+    SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
+    text = README.read_text()
+    block = f"{BEGIN}\n{render(summary)}\n{END}"
+    if BEGIN in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n## Against llama.cpp\n\n{block}\n"
+    README.write_text(text)
 
 
 if __name__ == "__main__":

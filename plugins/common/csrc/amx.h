@@ -41,7 +41,7 @@ static int amx_usable(void) {
     return atomic_load(&amx_state) > 0;
 }
 
-static __thread int amx_configured;
+static __thread int amx_configured; /* 1: the tiles of tile_amx, 2: those of tile_amx_k6 */
 
 static void amx_configure(void) {
     tilecfg_t cfg;
@@ -56,6 +56,75 @@ static void amx_configure(void) {
     __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     amx_configured = 1;
+}
+
+/* K6's tiles: a block's two halves of 16 weights, each its own product (A: 16 rows of 16 codes,
+ * B: 4 chunks) into its own sums, per pass: A in 0 / 1, B in 2 / 5, C in 3 / 4 (pass 1), 6 / 7 (pass 2). */
+static void amx_configure_k6(void) {
+    tilecfg_t cfg;
+    __builtin_memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = QK / 2; }
+    cfg.rows[2] = cfg.rows[5] = QK / 8;
+    cfg.colsb[2] = cfg.colsb[5] = CHUNK;
+    for (int t = 3; t < 8; t++)
+        if (t != 5) { cfg.rows[t] = AMX_ROWS; cfg.colsb[t] = 4 * GROUP; }
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+    amx_configured = 2;
+}
+
+/* Rows [r0, r0 + 16) by K6 groups [g0, g1): per block, the halves' tile products (sums with the
+ * +128 offset of the codes, as VNNI's dot4_q8 gives them), then block_step_k6: the vector tiles'
+ * bits. Not pipelined as tile_amx is: the products of the next block overlap the float steps. */
+INLINE void tile_amx_k6(const matmul_t *job, long r0, long g0, long g1, int P) {
+    if (amx_configured != 2) amx_configure_k6();
+    long k = job->k, nb = k / QK;
+    _Alignas(64) int32_t cs[2][2][AMX_ROWS][GROUP]; /* [half][pass] */
+    for (long g = g0; g < g1; g++) {
+        __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (long b = 0; b < nb; b++) {
+            const uint8_t *q = group_codes(job, g, b, K6);
+            const int8_t *xb = job->xq + r0 * k + b * QK;
+            if (b + 2 < nb) prefetch_span(group_start(job, g, b + 2, K6), group_bytes(K6));
+            _tile_loadd(2, q, CHUNK);
+            _tile_loadd(5, q + (QK / 8) * CHUNK, CHUNK);
+            _tile_loadd(0, xb, k);
+            _tile_loadd(1, xb + QK / 2, k);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_dpbsud(3, 0, 2);
+            _tile_dpbsud(4, 1, 5);
+            if (P == 2) {
+                _tile_loadd(0, xb + job->mq * k, k);
+                _tile_loadd(1, xb + job->mq * k + QK / 2, k);
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_dpbsud(6, 0, 2);
+                _tile_dpbsud(7, 1, 5);
+                _tile_stored(6, cs[0][1], 4 * GROUP);
+                _tile_stored(7, cs[1][1], 4 * GROUP);
+            }
+            _tile_stored(3, cs[0][0], 4 * GROUP);
+            _tile_stored(4, cs[1][0], 4 * GROUP);
+            vec da, db;
+            group_block(job, g, b, K6, &da, &db);
+#pragma GCC unroll 16
+            for (int r = 0; r < AMX_ROWS; r++) {
+                ivec sa = _mm512_load_si512((const void *)cs[0][0][r]), sb = _mm512_load_si512((const void *)cs[1][0][r]);
+                if (P == 2) {
+                    sa = iadd(itimes256(sa), _mm512_load_si512((const void *)cs[0][1][r]));
+                    sb = iadd(itimes256(sb), _mm512_load_si512((const void *)cs[1][1][r]));
+                }
+                acc[r] = block_step_k6(job, r0 + r, b, sa, sb, da, db, acc[r]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++)
+            if (r0 + r < job->m) store_output(job, r0 + r, g, acc[r]);
+    }
 }
 
 /* 4-bit codes: the group block's 4 chunks as B's 8 rows in bt (weights 4t..4t+3 are row t,
@@ -100,7 +169,11 @@ INLINE void amx_unpack(const matmul_t *job, long g, long b, int kind, uint8_t *b
  * (issued a step earlier) and step i - 1's sums (stored a step earlier) taken through the float32
  * steps of its group. */
 INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, int P) {
-    if (!amx_configured) amx_configure();
+    if (kind == K6) {
+        tile_amx_k6(job, r0, g0, g1, P);
+        return;
+    }
+    if (amx_configured != 1) amx_configure();
     long k = job->k, nb = k / QK, steps = (g1 - g0) * nb;
     __m512 acc[AMX_ROWS];
     _Alignas(64) uint8_t bts[2][QK / 4 * CHUNK];

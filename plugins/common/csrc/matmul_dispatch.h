@@ -7,7 +7,7 @@
 INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
     long start = 0; /* rows from here on: vector tiles */
 #if HAS_AMX
-    if (job->use_amx && kind != K6) { /* whole tiles of 16 rows (padded ones included); the rest below */
+    if (job->use_amx) { /* whole tiles of 16 rows (padded ones included); the rest below */
         start = job->mq / AMX_ROWS * AMX_ROWS;
         for (long r0 = 0; r0 < start; r0 += AMX_ROWS) tile_amx(job, r0, g0, g1, kind, P);
     }
