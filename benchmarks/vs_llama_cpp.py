@@ -10,8 +10,13 @@ The table gives each server's mean of its two runs and the ratio. Workloads (all
 - ``concurrent8`` / ``concurrent16``: 8 / 16 clients in a closed loop, 64 tokens each;
 - ``poisson``: an open loop at ``--rate`` requests/s, answers skewed (80 % 8-32 tokens, 20 % 128-256);
 - ``prompt_heavy``: 8 clients, 700-word prompts, 32-token answers;
-- ``no_max_tokens``: chat requests without ``max_tokens``, answers end at EOS or at the context
-  (random weights rarely say EOS, so there it is the servers' cap: ``--context`` tokens a seat).
+- ``no_max_tokens``: chat requests without ``max_tokens``. The default model's answers end at EOS
+  (8 clients asking for one sentence); random weights rarely say EOS, so there 4 clients send
+  600-word prompts and each answer runs to the end of its seat's context (``--context`` tokens):
+  the servers' own cap decides the length.
+
+The 1.5B and 3B shapes send half and a quarter of the requests (a closed loop at least one per
+client).
 
 Each pair of runs sends its own prompts (drawn from the workload's seed plus 1000 times the pair's
 number), the same to both servers: neither replays a prompt it has seen, so llama.cpp's per-slot

@@ -9,8 +9,10 @@ with the same per-row arithmetic as the per-module path, so a row's result
 still does not depend on its batch mates or on how its prompt was chunked.
 
 ``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
-fits: every layer fused on blocks, float32 norms, and (checked per step)
-contiguous float32 or float16 KV caches.
+fits: every projection on ``BlockLinear`` (Q, K and V fused, or, when their block
+types differ as in llama.cpp's ``Q4_K_M``, three parts written into the columns
+of one row), float32 norms, and (checked per step) contiguous float32 or float16
+KV caches.
 
 The parameter structs are defined once, in ``csrc/decoder_params.h``: the C
 structs are generated from its field lists, the ctypes mirror here is built

@@ -13,9 +13,12 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
   float32 exactly as the float32 path's dequantization does, so the model
   differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
   (the default model's tied embedding, hence its output head) are read.
-- ``StoredBlockLinear`` for the other types read as stored (Q5_0, Q5_1,
-  Q4_K, Q5_K, Q6_K): the native kernels' ``stored_matmul`` on the rows as the
-  file stores them, with int16 / int8 activations.
+- ``BlockLinear`` also runs Q4_K and Q6_K, decoded once at load into kinds of
+  the interleaved kernels (``Kernels.interleave_kquant``), and Q5_0, rewritten
+  as Q8_0 blocks (``q5_0_as_q8_0``, exact): int16 / int8 activations, the bits
+  of the rows multiplied as stored.
+- ``StoredBlockLinear`` for Q5_1 and Q5_K: the native kernels' ``stored_matmul``
+  on the rows as the file stores them, with int16 / int8 activations.
 - ``quant_torch.BlockTorchLinear`` for those types otherwise (no native
   kernels, or float32 activations): the same integer scheme in torch, the
   same bits as the native kernels' (it is their reference).
@@ -61,6 +64,8 @@ BLOCK = 32
 #: block types the interleaved kernels multiply: their kind number (Q4_K and Q6_K decoded at load by
 #: ``Kernels.interleave_kquant``)
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}
+#: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
+EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: every block type read as stored (the rest are dequantized to float32 at load)
 STORED = tuple(quant_blocks.SUBBLOCK)
 BLOCK_BYTES = dict(quant_blocks.BLOCK_BYTES)
@@ -126,7 +131,7 @@ def read_blocks(tensor: GGUFTensor, types: Iterable[gguf.GGMLQuantizationType] =
 def read_expert_blocks(tensor: GGUFTensor) -> list[BlockWeight] | None:
     """A stacked expert tensor (``ffn_*_exps``, ``[E, N, K]``) as one ``BlockWeight`` per expert
     (its rows as stored); None for types the kernels do not read."""
-    if tensor.ggml_type not in KINDS or len(tensor.shape) != 3:
+    if tensor.ggml_type not in EXPERT_TYPES or len(tensor.shape) != 3:
         return None
     e, n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(e, n, -1)
