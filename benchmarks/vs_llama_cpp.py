@@ -55,7 +55,7 @@ sys.path.insert(0, str(HERE))
 
 import gguf_shapes  # noqa: E402
 import llama_cpp_build  # noqa: E402
-from run_all import RUNS_DIR, free_port, machine_info, stop  # noqa: E402
+from run_all import RUNS_DIR, free_port, machine_info, stop, wait_healthy  # noqa: E402
 
 from ifb.bench.driver import Target, run  # noqa: E402
 from ifb.bench.stats import report  # noqa: E402
@@ -174,20 +174,10 @@ def start_server(name: str, model: Model, binary: Path, context: int, log: Path,
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                # one short request: the first forward passes pay for allocation and warm-up
-                httpx.post(url + "/v1/completions", timeout=600,
-                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).raise_for_status()
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"not ready within {timeout:.0f} s")
+    wait_healthy(url, proc, timeout)
+    # one short request: the first forward passes pay for allocation and warm-up
+    httpx.post(url + "/v1/completions", timeout=600,
+               json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).raise_for_status()
 
 
 def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:

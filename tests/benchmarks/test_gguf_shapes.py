@@ -1,0 +1,56 @@
+"""``benchmarks/gguf_shapes.py``: llama.cpp's quantization mixes, and files ifb loads as written."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import attrs
+import gguf
+import pytest
+
+from ifb_plugins.common.gguf_loader import load_gguf, read_gguf_tensors
+
+ROOT = Path(__file__).resolve().parents[2]
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gguf_shapes", ROOT / "benchmarks" / "gguf_shapes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_q4_k_m_gives_more_bits_and_takes_llama_cpps_fallbacks(shapes) -> None:
+    # 24 layers: the first and last 3 and every third between get Q6_K for V and down
+    more = [i for i in range(24) if shapes.more_bits(i, 24)]
+    assert more == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
+    assert shapes.matrix_type("Q4_K_M", "attn_q", 0, 24, 1536) == Q.Q4_K
+    assert shapes.matrix_type("Q4_K_M", "attn_v", 0, 24, 1536) == Q.Q6_K
+    assert shapes.matrix_type("Q4_K_M", "attn_v", 3, 24, 1536) == Q.Q4_K
+    assert shapes.matrix_type("Q4_K_M", "output", 0, 24, 1536) == Q.Q6_K
+    # 896 is not whole super-blocks: Q4_K -> Q5_0, Q6_K -> Q8_0
+    assert shapes.matrix_type("Q4_K_M", "attn_q", 0, 24, 896) == Q.Q5_0
+    assert shapes.matrix_type("Q4_K_M", "attn_v", 0, 24, 896) == Q.Q8_0
+    assert shapes.matrix_type("Q8_0", "ffn_down", 0, 24, 4864) == Q.Q8_0
+    with pytest.raises(ValueError, match="unknown mix"):
+        shapes.matrix_type("Q2_K", "attn_q", 0, 24, 896)
+
+
+def test_a_written_file_loads_with_the_shapes_and_types_it_was_given(shapes, tmp_path: Path) -> None:
+    shape = attrs.evolve(shapes.SHAPES["qwen2.5-1.5b"], num_layers=2, hidden=256, intermediate=512, num_heads=4,
+                         vocab=512)
+    path = tmp_path / "tiny.gguf"
+    counts = shapes.write_gguf(path, shape, "Q4_K_M", context_length=64)
+    assert counts == {"Q6_K": 3, "Q4_K": 12}  # the last layer's V and down, and the tied head
+    tensors = read_gguf_tensors(path)
+    assert tensors["model.layers.1.self_attn.v_proj.weight"].ggml_type == Q.Q6_K
+    assert tensors["model.layers.0.self_attn.v_proj.weight"].ggml_type == Q.Q4_K
+    assert tensors["model.layers.1.mlp.up_proj.weight"].shape == (512, 256)
+    config = load_gguf(path)[0]  # no tokenizer in this file: the config and weights only
+    assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.vocab_size) == (2, 256, 2, 512)
+    assert shapes.tensor_bytes(path) == sum(t.data.nbytes for t in gguf.GGUFReader(str(path)).tensors)
