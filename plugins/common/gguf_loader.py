@@ -252,11 +252,18 @@ def load_gguf(path: str | Path, *, defer_quantized: bool = False
     that moves them onto block matmuls never holds their float32 copies; ``deferred_names`` lists
     them, and ``materialize`` fills those it still needs in float32.
     """
+    config, state_dict, meta, _ = read_gguf(path, defer_quantized=defer_quantized)
+    return config, state_dict, meta
+
+
+def read_gguf(path: str | Path, *, defer_quantized: bool = False
+              ) -> tuple[TextModelConfig, dict[str, torch.Tensor], dict[str, Any], frozenset[str]]:
+    """``load_gguf``, and the names it left unread (empty without ``defer_quantized``)."""
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(reader)
     config, tensors = _tensors_and_config(reader, meta)
-    defer = set(deferred_names(tensors)) if defer_quantized else set()
+    defer = frozenset(deferred_names(tensors) if defer_quantized else ())
     state_dict = {name: torch.empty(t.shape) if name in defer else dequantize(t) for name, t in tensors.items()}
     if config.num_experts:
         state_dict = fuse_expert_state(state_dict)
-    return config, state_dict, meta
+    return config, state_dict, meta, defer

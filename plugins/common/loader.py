@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.gguf_loader import deferred_names, load_gguf, read_gguf_tensors
+from ifb_plugins.common.gguf_loader import read_gguf
 from ifb_plugins.common.hf_loader import load_hf_dir
 from ifb_plugins.common.model import TextModel, rope_inv_freq
 from ifb_plugins.common.tokenizer import TextTokenizer
@@ -35,8 +35,7 @@ def load_checkpoint(path: str | Path, *, defer_quantized: bool = False) -> Loade
     ``defer_quantized`` (GGUF only): see ``gguf_loader.load_gguf``."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        deferred = frozenset(deferred_names(read_gguf_tensors(path)) if defer_quantized else ())
-        config, state_dict, meta = load_gguf(path, defer_quantized=defer_quantized)
+        config, state_dict, meta, deferred = read_gguf(path, defer_quantized=defer_quantized)
         return LoadedCheckpoint(config, state_dict, TextTokenizer.from_gguf_metadata(meta), "gguf", path, deferred)
     if path.is_dir():
         config, state_dict, tokenizer = load_hf_dir(path)
