@@ -13,6 +13,7 @@ The mixes follow llama.cpp's ``llama-quantize`` choices:
   more bits (the first and last eighth, and every third one between) and for the output head (the
   tied embedding when there is no separate head); a matrix whose input width is not a multiple of
   256 takes llama.cpp's fallback (Q4_K -> Q5_0, Q6_K -> Q8_0);
+- ``Q5_K_M``: the same with Q5_K in place of Q4_K (fallback Q5_1);
 - ``Q8_0``: every matrix in Q8_0.
 """
 
@@ -31,7 +32,9 @@ FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 #: byte offsets of each type's float16 scales (and minima) inside a block
 SCALE_OFFSETS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q4_K: [0, 2],
                  Q.Q5_K: [0, 2], Q.Q6_K: [208]}
-MIXES = ("Q4_K_M", "Q8_0")
+MIXES = ("Q4_K_M", "Q5_K_M", "Q8_0")
+#: the type of the matrices a K-quant mix does not give more bits
+BASE_TYPES = {"Q4_K_M": Q.Q4_K, "Q5_K_M": Q.Q5_K}
 
 
 @attrs.frozen
@@ -73,12 +76,12 @@ def matrix_type(mix: str, role: str, layer: int, num_layers: int, in_features: i
     """The block type ``mix`` gives one matrix (``role``: attn_q, ..., ffn_down, output)."""
     if mix == "Q8_0":
         return Q.Q8_0
-    if mix != "Q4_K_M":
+    if mix not in BASE_TYPES:
         raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
     if role == "output" or (role in ("attn_v", "ffn_down") and more_bits(layer, num_layers)):
         qtype = Q.Q6_K
     else:
-        qtype = Q.Q4_K
+        qtype = BASE_TYPES[mix]
     return FALLBACK[qtype] if in_features % 256 else qtype
 
 

@@ -1,7 +1,7 @@
 """ifb against llama.cpp's server, side by side in one run, on the same GGUF files.
 
 For each model (the default model's own GGUF, then random-weight GGUFs of Qwen2.5-0.5B, -1.5B and
--3B shapes in llama.cpp's ``Q4_K_M`` mix and in ``Q8_0``, written by ``gguf_shapes``), both
+-3B shapes in llama.cpp's ``Q4_K_M`` and ``Q5_K_M`` mixes and in ``Q8_0``, written by ``gguf_shapes``), both
 servers are started with the same seats (16) and the same KV room, and each workload runs in
 A-B-B-A order (ifb, llama.cpp, llama.cpp, ifb), so a drift in the machine's load hits both alike.
 The table gives each server's mean of its two runs and the ratio. Workloads (all greedy, streamed):

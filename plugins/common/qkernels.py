@@ -70,10 +70,10 @@ log = logging.getLogger("ifb.text")
 SOURCE_DIR = "csrc"
 SOURCE_NAME = "qkernels.c"
 #: bytes per column and 32-weight block of each kind as ``block_matmul`` reads it (0: Q4_0, 1: Q4_1,
-#: 2: Q8_0 as stored; 3: Q4_K and 4: Q6_K as ``interleave_kquant`` decodes them)
-BLOCK_BYTES = (18, 20, 34, 24, 40)
-#: the kinds ``interleave_kquant`` makes, by ggml type number (Q4_K, Q6_K)
-KQUANT_KINDS = {12: 3, 14: 4}
+#: 2: Q8_0 as stored; 3: Q4_K, 4: Q6_K and 5: Q5_K / Q5_1 as ``interleave_kquant`` decodes them)
+BLOCK_BYTES = (18, 20, 34, 24, 40, 40)
+#: the kinds ``interleave_kquant`` makes, by ggml type number (Q4_K, Q6_K, Q5_K, Q5_1)
+KQUANT_KINDS = {12: 3, 14: 4, 13: 5, 7: 5}
 #: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
 CFLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -197,7 +197,7 @@ class Kernels:
         return out
 
     def interleave_kquant(self, rows: torch.Tensor, qtype: int) -> torch.Tensor:
-        """Q4_K or Q6_K rows ``[N, K / 256 * block bytes]`` (uint8, as stored; ``qtype`` is ggml's
+        """Q4_K, Q6_K, Q5_K or Q5_1 rows ``[N, K / block weights * block bytes]`` (uint8, as stored; ``qtype`` is ggml's
         type number) decoded into kind ``KQUANT_KINDS[qtype]`` of ``block_matmul``:
         ``[ceil(N / 16) * 16, K / 32 * BLOCK_BYTES[kind]]``, the padding columns zero."""
         if int(qtype) not in KQUANT_KINDS:

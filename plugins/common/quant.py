@@ -13,12 +13,13 @@ float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
   float32 exactly as the float32 path's dequantization does, so the model
   differs from the float32 one by summation order only. Q4_0, Q4_1 and Q8_0
   (the default model's tied embedding, hence its output head) are read.
-- ``BlockLinear`` also runs Q4_K and Q6_K, decoded once at load into kinds of
-  the interleaved kernels (``Kernels.interleave_kquant``), and Q5_0, rewritten
-  as Q8_0 blocks (``q5_0_as_q8_0``, exact): int16 / int8 activations, the bits
-  of the rows multiplied as stored.
-- ``StoredBlockLinear`` for Q5_1 and Q5_K: the native kernels' ``stored_matmul``
-  on the rows as the file stores them, with int16 / int8 activations.
+- ``BlockLinear`` also runs Q4_K, Q6_K, Q5_K and Q5_1, decoded once at load
+  into kinds of the interleaved kernels (``Kernels.interleave_kquant``), and
+  Q5_0, rewritten as Q8_0 blocks (``q5_0_as_q8_0``, exact): int16 / int8
+  activations, the bits of the rows multiplied as stored.
+- ``StoredBlockLinear``: the native kernels' ``stored_matmul`` on rows as the
+  file stores them (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), with int16 / int8
+  activations: the interleaved kinds' reference.
 - ``quant_torch.BlockTorchLinear`` for those types otherwise (no native
   kernels, or float32 activations): the same integer scheme in torch, the
   same bits as the native kernels' (it is their reference).
@@ -61,9 +62,9 @@ log = logging.getLogger("ifb.text")
 Q = gguf.GGMLQuantizationType
 #: weights per block
 BLOCK = 32
-#: block types the interleaved kernels multiply: their kind number (Q4_K and Q6_K decoded at load by
-#: ``Kernels.interleave_kquant``)
-KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}
+#: block types the interleaved kernels multiply: their kind number (Q4_K, Q6_K, Q5_K and Q5_1 decoded at
+#: load by ``Kernels.interleave_kquant``)
+KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5}
 #: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
 EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: every block type read as stored (the rest are dequantized to float32 at load)

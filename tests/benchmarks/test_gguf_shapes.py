@@ -37,6 +37,11 @@ def test_q4_k_m_gives_more_bits_and_takes_llama_cpps_fallbacks(shapes) -> None:
     assert shapes.matrix_type("Q4_K_M", "attn_q", 0, 24, 896) == Q.Q5_0
     assert shapes.matrix_type("Q4_K_M", "attn_v", 0, 24, 896) == Q.Q8_0
     assert shapes.matrix_type("Q8_0", "ffn_down", 0, 24, 4864) == Q.Q8_0
+    # Q5_K_M: Q5_K in Q4_K's place, Q5_1 its fallback
+    assert shapes.matrix_type("Q5_K_M", "attn_q", 0, 24, 1536) == Q.Q5_K
+    assert shapes.matrix_type("Q5_K_M", "ffn_down", 0, 24, 4864) == Q.Q6_K
+    assert shapes.matrix_type("Q5_K_M", "ffn_down", 3, 24, 4864) == Q.Q5_K
+    assert shapes.matrix_type("Q5_K_M", "ffn_up", 3, 24, 896) == Q.Q5_1
     with pytest.raises(ValueError, match="unknown mix"):
         shapes.matrix_type("Q2_K", "attn_q", 0, 24, 896)
 

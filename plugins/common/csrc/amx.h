@@ -128,9 +128,9 @@ INLINE void tile_amx_k6(const matmul_t *job, long r0, long g0, long g1, int P) {
 }
 
 /* 4-bit codes: the group block's 4 chunks as B's 8 rows in bt (weights 4t..4t+3 are row t,
- * weights 16 + 4t.. row 4 + t); Q8_0 codes are B as stored. */
+ * weights 16 + 4t.. row 4 + t); Q8_0 and K5 codes are B as stored. */
 INLINE void amx_unpack(const matmul_t *job, long g, long b, int kind, uint8_t *bt) {
-    if (kind == Q8_0) return;
+    if (kind == Q8_0 || kind == K5) return;
     const uint8_t *q = group_codes(job, g, b, kind);
     for (int t = 0; t < 4; t++) {
         wvec v = load_chunk(q + t * CHUNK);
@@ -142,7 +142,7 @@ INLINE void amx_unpack(const matmul_t *job, long g, long b, int kind, uint8_t *b
 /* Block b's tile products for group g into tiles C1T (and C2T: the second pass), B in tile BT. */
 #define AMX_ISSUE(BT, C1T, C2T, bt, g, b)                                                   \
     do {                                                                                    \
-        if (kind == Q8_0)                                                                   \
+        if (kind == Q8_0 || kind == K5)                                                     \
             _tile_loadd(BT, group_codes(job, g, b, kind), CHUNK);                           \
         else                                                                                \
             _tile_loadd(BT, (bt), CHUNK);                                                   \
@@ -211,7 +211,7 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, i
         group_block(job, ge, be, kind, &d, &m);
         int32_t(*c1)[GROUP] = cs[(i - 1) & 1][0], (*c2)[GROUP] = cs[(i - 1) & 1][1];
 #pragma GCC unroll 16
-        for (int r = 0; r < AMX_ROWS; r++) { /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them */
+        for (int r = 0; r < AMX_ROWS; r++) { /* B holds Q8_0 codes + 128, as VNNI's dot4_q8 reads them; K5 codes as they are */
             ivec s = _mm512_load_si512((const void *)c1[r]);
             if (P == 2) s = iadd(itimes256(s), _mm512_load_si512((const void *)c2[r]));
             acc[r] = block_step(job, r0 + r, be, kind, s, d, m, acc[r]);

@@ -28,10 +28,11 @@
 #include <immintrin.h> /* _cvtsh_ss */
 #endif
 
-/* block kinds; K4 and K6 hold Q4_K and Q6_K rows decoded at load (ifb_interleave_kquant) */
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K4 = 3, K6 = 4 };
+/* block kinds; K4, K6 and K5 hold Q4_K, Q6_K and Q5_K / Q5_1 rows decoded at load
+ * (ifb_interleave_kquant) */
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K4 = 3, K6 = 4, K5 = 5 };
 /* bytes per column and 32-weight block: a group's block is 16 times as many */
-static const long BLOCK_BYTES[5] = {18, 20, 34, 24, 40};
+static const long BLOCK_BYTES[6] = {18, 20, 34, 24, 40, 40};
 
 /* An IEEE float16 (stored little-endian at p) as a float: exact. */
 INLINE float half_at(const uint8_t *p) {

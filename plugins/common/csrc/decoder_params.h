@@ -9,7 +9,7 @@
 #include <stddef.h>
 
 #define IFB_WEIGHT_FIELDS(F)                                                                \
-    F(long, kind)                   /* Q4_0, Q4_1, Q8_0, K4 or K6 */                        \
+    F(long, kind)                   /* Q4_0, Q4_1, Q8_0, K4, K6 or K5 */                    \
     F(long, passes)                 /* integer activations (see ifb_block_matmul) */        \
     F(const uint8_t *, blocks)      /* interleaved, as ifb_block_matmul reads them */       \
     F(const float *, bias)          /* or NULL */                                           \

@@ -34,10 +34,12 @@ INLINE void columns_of(const matmul_t *job, long g0, long g1, int kind) {
 }
 
 static void run_columns(const matmul_t *job, long g0, long g1) {
-    if (job->kind == K4) /* integer activations only (ifb_block_matmul refuses float32 ones) */
+    if (job->kind == K4) /* K kinds: integer activations only (ifb_block_matmul refuses float32 ones) */
         job->passes == 2 ? groups_q8(job, g0, g1, K4, 2) : groups_q8(job, g0, g1, K4, 1);
     else if (job->kind == K6)
         job->passes == 2 ? groups_q8(job, g0, g1, K6, 2) : groups_q8(job, g0, g1, K6, 1);
+    else if (job->kind == K5)
+        job->passes == 2 ? groups_q8(job, g0, g1, K5, 2) : groups_q8(job, g0, g1, K5, 1);
     else if (job->kind == Q4_0)
         columns_of(job, g0, g1, Q4_0);
     else if (job->kind == Q4_1)

@@ -13,6 +13,7 @@
  *   Q4_1: acc = fma(S * s, d, acc); acc = fma(m, s * sum(code_x), acc)
  *   Q8_0: acc = fma(S * s, d, acc)
  *   K4:   as Q4_1 (its float32 scale and minimum in place of d and m)
+ *   K5:   as K4 (codes 0..31)
  *   K6:   acc = fma(S_a * s, d_a, acc); acc = fma(S_b * s, d_b, acc) (S_a, S_b: the sums of the
  *         block's weights 0..15 and 16..31, each with its own scale)
  * so a row's result is the same whatever the batch, the tiling, the threads or the ISA. */
@@ -120,7 +121,7 @@ static void quantize_rows(const float *x, long m, long k, int passes, long mq, i
 INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec d, vec m, vec acc) {
     long rb = r * (job->k / QK) + b;
     int32_t fix = kind == Q4_0 ? 8 * job->qsum[rb] : kind == Q8_0 && Q8_OFFSET ? 128 * job->qsum[rb] : 0;
-    int affine = kind == Q4_1 || kind == K4;
+    int affine = kind == Q4_1 || kind == K4 || kind == K5;
     acc = vfmadd(icvt_scaled(affine ? s : isub(s, fix), job->xs[rb]), d, acc);
     return affine ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
 }
@@ -173,7 +174,19 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
                         s[r][c] = itimes256(s[r][c]);
                         if (kind == K6) sb[r][c] = itimes256(sb[r][c]);
                     }
-            if (kind == Q8_0 || kind == K6) {
+            if (kind == K5) { /* byte codes 0..31: unsigned, as the nibbles */
+#pragma GCC unroll 8
+                for (int t = 0; t < QK / 4; t++)
+#pragma GCC unroll 4
+                    for (int c = 0; c < C; c++) {
+                        wvec w = load_chunk(q[c] + t * CHUNK);
+#pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            s[r][c] = dot4_u4(s[r][c], w, xb + r * k + 4 * t);
+                            if (fused) s2[r][c] = dot4_u4(s2[r][c], w, xb2 + r * k + 4 * t);
+                        }
+                    }
+            } else if (kind == Q8_0 || kind == K6) {
 #pragma GCC unroll 8
                 for (int t = 0; t < QK / 4; t++)
 #pragma GCC unroll 4

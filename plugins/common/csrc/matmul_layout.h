@@ -14,6 +14,8 @@
  *         scale d * sc and minimum -dmin * m, exact in float32; codes 0..15)
  *   K6:   16 float32 scales of weights 0..15, 16 of weights 16..31, then 8 chunks as Q8_0's (a
  *         Q6_K block's two sub-blocks of 16: scales d * sc, codes q - 32 stored + 128)
+ *   K5:   16 float32 scales, 16 float32 minima, then 8 chunks of the codes 0..31 as bytes (a Q5_K
+ *         sub-block: d * sc and -dmin * m; a Q5_1 block: d and m; codes unsigned, no offset)
  * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in
  * one fixed order (block by block; within a block weights 0, 16, 1, 17, ..., 15, 31), whatever
  * R and C are: a row's result never depends on its batch mates. */
@@ -22,7 +24,7 @@
 #define CHUNK 64 /* code bytes 4i..4i+3 of the 16 columns: 4 bytes per column */
 
 typedef struct {
-    int kind;              /* Q4_0, Q4_1, Q8_0, K4 or K6 */
+    int kind;              /* Q4_0, Q4_1, Q8_0, K4, K6 or K5 */
     int passes;            /* integer activations in 1 or 2 int8 passes (the fields below); 0: float32 x */
     const float *x;        /* [m, k] */
     long m, k, n;

@@ -289,14 +289,15 @@ int ifb_stored_matmul(const float *x, long m, long k, const uint8_t *rows, int t
 }
 
 /* ---- K-quant rows for the interleaved kernels ----
- * Q4_K and Q6_K rows [n, row_bytes] as stored -> the K4 / K6 groups of matmul_layout.h, through
+ * Q4_K, Q6_K, and Q5_K / Q5_1 rows [n, row_bytes] as stored -> the K4, K6 and K5 groups of
+ * matmul_layout.h, through
  * decode_row: the same codes and the same float32 scales (and minima) stored_groups multiplies, so
  * the interleaved kernels give stored_matmul's bits. Columns past n get zero scales and codes.
  * 0; -2 for another type (or a k it cannot read). */
 int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t *dst) {
     long row_bytes = stored_row_bytes(type, k);
-    if (row_bytes < 0 || (type != T_Q4_K && type != T_Q6_K)) return -2;
-    int kind = type == T_Q4_K ? K4 : K6;
+    if (row_bytes < 0 || (type != T_Q4_K && type != T_Q6_K && type != T_Q5_K && type != T_Q5_1)) return -2;
+    int kind = type == T_Q4_K ? K4 : type == T_Q6_K ? K6 : K5;
     long nb = k / QK, groups = (n + GROUP - 1) / GROUP, gb = group_bytes(kind), head = head_bytes(kind);
     int8_t *codes = (int8_t *)malloc((size_t)k);
     float *scales = (float *)malloc(sizeof(float) * (size_t)(k / 16)), *mins = (float *)malloc(sizeof(float) * (size_t)nb);
@@ -314,7 +315,12 @@ int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t 
             uint8_t *out = dst + (g * nb + b) * gb;
             float *f = (float *)out; /* [16 scales][16 minima or second scales] */
             const int8_t *q = codes + b * QK;
-            if (kind == K4) {
+            if (kind == K5) {
+                f[c] = scales[b];
+                f[GROUP + c] = mins[b];
+                for (int i = 0; i < QK; i++) /* codes 0..31 as bytes, laid out as Q8_0's */
+                    out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)q[i];
+            } else if (kind == K4) {
                 f[c] = scales[b];
                 f[GROUP + c] = mins[b];
                 for (int i = 0; i < QK / 2; i++) /* byte i: weights i and i + 16, as Q4_1's */

@@ -50,13 +50,13 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 /* ---- the entry points (qkernels.py) ---- */
 
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
- * (interleaved by ifb_interleave from GGUF blocks of `kind`, or by ifb_interleave_kquant for K4 and
- * K6), plus bias [n] (or NULL); y's rows are ldy floats apart (n: a plain [m, n] matrix). `passes`:
- * x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0: not for
- * K4 and K6). 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
+ * (interleaved by ifb_interleave from GGUF blocks of `kind`, or by ifb_interleave_kquant for K4, K6
+ * and K5), plus bias [n] (or NULL); y's rows are ldy floats apart (n: a plain [m, n] matrix).
+ * `passes`: x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0:
+ * not for the K kinds). 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
 int ifb_block_matmul_ld(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
                         const float *bias, float *y, long n, long ldy) {
-    if (kind < Q4_0 || kind > K6 || (kind >= K4 && passes != 1 && passes != 2) || ldy < n) return -2;
+    if (kind < Q4_0 || kind > K5 || (kind >= K4 && passes != 1 && passes != 2) || ldy < n) return -2;
     job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, 0, x, m, k, n, blocks, bias, y}};
     job.mm.ldy = ldy;
     if (passes == 1 || passes == 2) { /* the caller's buffers: helpers read them only while it waits */

@@ -197,7 +197,7 @@ def test_kquant_kinds_refuse_float32_activations() -> None:
 
 
 #: a Q4_K_M-style mix over two layers (llama.cpp: Q4_K mostly, Q6_K for V / down / the head, Q8_0),
-#: and the other types read as stored in the second layer
+#: and the other types (Q5_0, Q5_1, Q5_K) in the second layer
 MIX = {
     "token_embd.weight": Q.Q6_K,
     "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K,
@@ -237,13 +237,14 @@ def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gg
     assert second.self_attn.o_proj.qtype == Q.Q5_1 and second.mlp.gate_up_proj.qtype == Q.Q5_K
     torch_modules = [m for m in model.modules() if isinstance(m, quant_torch.BlockTorchLinear)]
     stored = [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
-    if backend == "native":  # every type on a native kernel: Q5_0 as Q8_0 blocks; Q5_1, Q5_K as stored
+    if backend == "native":  # every type on an interleaved kernel: Q5_0 as Q8_0 blocks; Q5_1, Q5_K as K5
         assert second.self_attn.qkv_proj.qtype == Q.Q8_0 and isinstance(second.mlp.down_proj, quant.BlockLinear)
         assert all(isinstance(m, quant.BlockLinear) for m in (first.self_attn.q_proj, first.self_attn.v_proj,
                                                                first.mlp.gate_up_proj, first.mlp.down_proj))
         assert report.num_quantized == 14 and report.num_kept == 0 and report.num_torch == 0
         assert isinstance(model.head, quant.BlockLinear) and model.head.qtype == Q.Q6_K
-        assert len(stored) == 2 and not torch_modules and report.head == "on GGUF blocks (Q6_K)"
+        assert second.self_attn.o_proj.kind == second.mlp.gate_up_proj.kind == 5
+        assert not stored and not torch_modules and report.head == "on GGUF blocks (Q6_K)"
     else:  # torch's integer path; Q8_0 stays float32 there, as before
         assert second.self_attn.qkv_proj.qtype == Q.Q5_0
         assert report.num_quantized == 13 and report.num_kept == 1 and report.num_torch == 13
@@ -302,7 +303,7 @@ def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_p
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
                               num_layers=2, num_heads=4, num_kv_heads=2)
-    mix = {**Q4_K_M, "blk.1.ffn_down.weight": Q.Q5_K}  # a type with no interleaved kind: read as stored
+    mix = {**Q4_K_M, "blk.1.ffn_down.weight": Q.Q5_K}  # and kind K5
     path = save_tiny_gguf(hf, tmp_path / "q4_k_m.gguf", tensor_types=mix, quantize=quantize_k)
     raw = read_gguf_tensors(path)
     whole = load_checkpoint(path)

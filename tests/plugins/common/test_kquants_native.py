@@ -58,11 +58,11 @@ def test_stored_matmul_refuses_what_it_cannot_read() -> None:
     assert int(Q.Q4_K) in qkernels.STORED_TYPES
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q5_0])
 @pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
 @pytest.mark.parametrize("activations", ["int16", "int8"])
 def test_interleaved_kquant_kinds_give_the_stored_rows_bits(qtype: Q, build: int, activations: str) -> None:
-    # Q4_K / Q6_K decoded into kinds of the interleaved kernels, Q5_0 rewritten as Q8_0 blocks: each
+    # Q4_K / Q6_K / Q5_K / Q5_1 decoded into kinds of the interleaved kernels, Q5_0 rewritten as Q8_0 blocks: each
     # the bits of the rows multiplied as stored, for row counts on every tile path (vector tiles of
     # 1-4 rows, AMX tiles of 16 and padded part tiles of 9-15 where the CPU has AMX)
     kernels = KERNEL_BUILDS[build]
@@ -72,7 +72,7 @@ def test_interleaved_kquant_kinds_give_the_stored_rows_bits(qtype: Q, build: int
     bias = torch.randn(50, generator=torch.Generator().manual_seed(13))
     linear = quant.BlockLinear(quant.q5_0_as_q8_0(weight) if qtype == Q.Q5_0 else weight, bias, kernels,
                                activations=activations)  # type: ignore[arg-type]
-    assert linear.kind == {Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_0: 2}[qtype]
+    assert linear.kind == {Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5, Q.Q5_0: 2}[qtype]
     x = torch.randn(37, 512, generator=torch.Generator().manual_seed(14))
     for m in (1, 2, 3, 5, 9, 16, 21, 37):
         assert torch.equal(linear(x[:m]), kernels.stored_matmul(x[:m], raw, int(qtype), bias,
