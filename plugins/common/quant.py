@@ -65,6 +65,11 @@ BLOCK = 32
 #: block types the interleaved kernels multiply: their kind number (Q4_K, Q6_K, Q5_K and Q5_1 decoded at
 #: load by ``Kernels.interleave_kquant``)
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5}
+#: output columns side by side in the interleaved layout, and the bytes of their scales (and minima)
+#: before a group block's codes, by kind (``csrc/matmul_layout.h``)
+GROUP_COLUMNS = 16
+_HEAD_BYTES = {0: 32, 1: 64, 2: 32, 3: 128, 4: 128, 5: 128}
+QK_HALF = 16
 #: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
 EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: every block type read as stored (the rest are dequantized to float32 at load)
@@ -197,6 +202,41 @@ class BlockLinear(nn.Module):
                                         activations=self.activations)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` (any shape) in float32, read back from the interleaved blocks: each
+        value as ``gguf`` dequantizes the file's rows (the same float32 operations on the same
+        scales and codes), so a tied embedding looked up here is the float32 table's."""
+        flat = ids.reshape(-1).long()
+        nb = self.in_features // BLOCK
+        groups = self.blocks.view(-1, nb, GROUP_COLUMNS * self.blocks.shape[1] // nb)[flat // GROUP_COLUMNS]  # [T, nb, 16 columns' block bytes]
+        lane = (flat % GROUP_COLUMNS).view(-1, 1, 1)
+        head = _HEAD_BYTES[self.kind]
+        chunks = groups[:, :, head:].reshape(len(flat), nb, -1, GROUP_COLUMNS, 4)
+        index = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks.shape[2], 1, 4)
+        codes = chunks.gather(3, index).reshape(len(flat), nb, -1)  # the lane's code bytes, in order
+        if self.kind in (0, 1, 3):  # nibbles: byte i holds weights i (low) and i + 16 (high)
+            codes = torch.cat([codes & 15, codes >> 4], dim=-1)
+        elif self.kind in (2, 4):  # stored + 128
+            codes = (codes ^ 0x80).view(torch.int8)
+        values = codes.float()
+        if self.kind >= 3:  # float32 scales (and minima, or K6's second half's scales) per column
+            f = groups[:, :, :head].contiguous().view(torch.float32).view(len(flat), nb, 2, GROUP_COLUMNS)
+            f = f.gather(3, lane.view(-1, 1, 1, 1).expand(-1, nb, 2, 1)).squeeze(3)  # [T, nb, 2]
+            if self.kind == 4:
+                values = (f.repeat_interleave(QK_HALF, dim=-1) * values)
+            else:
+                values = f[..., :1] * values + f[..., 1:]
+        else:  # float16 d (and Q4_1's m) per column
+            h = groups[:, :, :head].contiguous().view(torch.float16).view(len(flat), nb, -1, GROUP_COLUMNS)
+            h = h.gather(3, lane.view(-1, 1, 1, 1).expand(-1, nb, h.shape[2], 1)).squeeze(3).float()
+            if self.kind == 0:
+                values = h[..., :1] * (values - 8)
+            elif self.kind == 1:
+                values = h[..., :1] * values + h[..., 1:]
+            else:
+                values = h[..., :1] * values
+        return values.reshape(*ids.shape, self.in_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype.name} blocks, "
                 f"{self.activations} activations")
@@ -252,6 +292,23 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
 
 
+class HeadEmbedding(nn.Module):
+    """A tied embedding looked up in the output head's interleaved blocks (``BlockLinear.weight_rows``):
+    the float32 table's rows, and no second copy of the table's blocks."""
+
+    def __init__(self, head: BlockLinear) -> None:
+        super().__init__()
+        self.qtype = head.qtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self._heads = (head,)  # a plain reference: the head's buffers stay the head's
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._heads[0].weight_rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, the output head's {self.qtype.name} blocks"
+
+
 @attrs.frozen
 class QuantizationReport:
     """What ``quantize_model`` did, for the load log."""
@@ -263,14 +320,17 @@ class QuantizationReport:
     activations: str = "float32"
     #: of ``num_quantized``, those on ``quant_torch.BlockTorchLinear`` (types without a native kernel)
     num_torch: int = 0
-    #: the token embedding's GGUF type when it is looked up in its blocks (``BlockEmbedding``)
+    #: the token embedding's GGUF type when it is looked up in blocks (``BlockEmbedding``)
     embedding_blocks: str | None = None
+    #: whether those blocks are the tied output head's (``HeadEmbedding``: no copy of its own)
+    is_embedding_in_head: bool = False
 
     def describe(self) -> str:
         if self.backend is None:
             return "float32"
         torch_note = f" ({self.num_torch} of them in torch, by their block type)" if self.num_torch else ""
-        embedding = f", embedding looked up in its {self.embedding_blocks} blocks" if self.embedding_blocks else ""
+        whose = "the output head's" if self.is_embedding_in_head else "its"
+        embedding = f", embedding looked up in {whose} {self.embedding_blocks} blocks" if self.embedding_blocks else ""
         return (f"{self.num_quantized} projections on GGUF blocks ({self.backend}, {self.activations} "
                 f"activations){torch_note}, "
                 f"{self.num_kept} in float32, output head {self.head}{embedding}")
@@ -415,7 +475,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
         a, b = _swap_layer(layer, f"model.layers.{i}", swap)
         done, kept = done + a, kept + b
     head = "float32"
-    embedding = None
+    embedding, in_head = None, False
     num_torch = swap.num_torch
     if done:
         tied = model.config.tie_word_embeddings
@@ -424,11 +484,15 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
         block = None if tensor is None else read_blocks(tensor, STORED)
         if backend == "native" and block is not None:
             model.head = swap.module(block, None)
+            if not tied:  # its float32 matrix is never read again (nor, deferred, read at all)
+                model.lm_head = None
             where = " in torch" if swap.num_torch > num_torch else ""
             head = f"on GGUF blocks ({tensor.ggml_type.name}{where})"  # type: ignore[union-attr]
             table = raw_tensors.get("model.embed_tokens.weight")
-            rows = None if table is None else read_blocks(table, STORED)
-            if rows is not None:
+            if tied and isinstance(model.head, BlockLinear):
+                model.model.embed_tokens = HeadEmbedding(model.head)
+                embedding, in_head = model.head.qtype.name, True
+            elif (rows := None if table is None else read_blocks(table, STORED)) is not None:
                 model.model.embed_tokens = BlockEmbedding(rows)
                 embedding = rows.qtype.name
         elif backend == "torch-int4":
@@ -436,7 +500,7 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
             model.head = quant_torch.RescoredHead(weight.detach())
             head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
     return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations,
-                              num_torch, embedding)
+                              num_torch, embedding, in_head)
 
 
 def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:

@@ -298,31 +298,37 @@ def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_pat
 
 
 @pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
-def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [True, False])
+def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_path: Path, tied: bool) -> None:
     from ifb_plugins.common.gguf_loader import materialize
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
-                              num_layers=2, num_heads=4, num_kv_heads=2)
-    mix = {**Q4_K_M, "blk.1.ffn_down.weight": Q.Q5_K}  # and kind K5
+                              num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)
+    mix = {**Q4_K_M, "blk.1.ffn_down.weight": Q.Q5_K, "output.weight": Q.Q8_0}  # and kind K5
     path = save_tiny_gguf(hf, tmp_path / "q4_k_m.gguf", tensor_types=mix, quantize=quantize_k)
     raw = read_gguf_tensors(path)
     whole = load_checkpoint(path)
     deferred = load_checkpoint(path, defer_quantized=True)
-    # every quantized projection and the embedding (the tied head): 14 + 1
-    assert len(deferred.deferred) == 15 and "model.embed_tokens.weight" in deferred.deferred
+    # every quantized projection, the embedding and (untied) the head: 14 + 1 (+ 1)
+    assert len(deferred.deferred) == (15 if tied else 16) and "model.embed_tokens.weight" in deferred.deferred
     assert not whole.deferred
     reference, model = build_model(whole), build_model(deferred)
     for m in (reference, model):
         report = quant.quantize_model(m, raw, "native")
         quant.use_native_attention(m, KERNELS)
-    assert report.embedding_blocks == "Q6_K" and isinstance(model.model.embed_tokens, quant.BlockEmbedding)
-    assert "embedding looked up in its Q6_K blocks" in report.describe()
+    assert report.embedding_blocks == "Q6_K" and report.is_embedding_in_head == tied
+    if tied:  # looked up in the head's blocks: no copy of the table
+        assert isinstance(model.model.embed_tokens, quant.HeadEmbedding) and model.head.qtype == Q.Q6_K
+        assert "embedding looked up in the output head's Q6_K blocks" in report.describe()
+    else:
+        assert isinstance(model.model.embed_tokens, quant.BlockEmbedding) and model.head.qtype == Q.Q8_0
+        assert "embedding looked up in its Q6_K blocks" in report.describe()
     assert materialize(model, path, deferred.deferred) == 0  # all of them went onto blocks
     ids = torch.tensor(PROMPTS[1])
     assert torch.equal(model.model.embed_tokens(ids), whole.state_dict["model.embed_tokens.weight"][ids])
     assert torch.equal(prefill_logits(model, PROMPTS[1]), prefill_logits(reference, PROMPTS[1]))
     # a float32 deployment after all: materialize reads every deferred matrix, as the plain load does
     plain = build_model(load_checkpoint(path, defer_quantized=True))
-    assert materialize(plain, path, deferred.deferred) == 15
+    assert materialize(plain, path, deferred.deferred) == len(deferred.deferred)
     for name, value in build_model(whole).state_dict().items():
         assert torch.equal(plain.state_dict()[name], value), name

@@ -81,3 +81,18 @@ def test_interleaved_kquant_kinds_give_the_stored_rows_bits(qtype: Q, build: int
     assert torch.equal(linear(x), alone)
     reference = quant_torch.BlockTorchLinear(qtype, raw, 512, bias, activations=activations)
     assert torch.equal(alone, reference(x))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q5_0])
+def test_weight_rows_read_back_from_the_interleaved_blocks_are_ggufs_dequantization(qtype: Q) -> None:
+    # what a tied embedding looks up in the output head's blocks (quant.HeadEmbedding)
+    raw = torch.from_numpy(random_blocks(qtype, 50, 512, seed=21))
+    weight = quant.BlockWeight(qtype, raw, 512)
+    linear = quant.BlockLinear(quant.q5_0_as_q8_0(weight) if qtype == Q.Q5_0 else weight, None, KERNELS)
+    table = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).astype("float32"))
+    ids = torch.tensor([[0, 15, 16, 49], [31, 32, 1, 0]])
+    assert torch.equal(linear.weight_rows(ids), table[ids])
+    assert torch.equal(linear.weight_rows(torch.arange(50)), table)
+    embedding = quant.HeadEmbedding(linear)
+    assert torch.equal(embedding(ids), table[ids])
+    assert not list(embedding.buffers())  # the head's blocks, not a copy
