@@ -134,7 +134,7 @@ def write_gguf(path: Path, shape: Shape, mix: str, *, vocab: Path | None = None,
     w.add_head_count_kv(shape.num_kv_heads)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_file_type({"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[mix])
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{mix}"])
     if vocab is not None:
         size = _copy_tokenizer(w, vocab)
         if size != shape.vocab:

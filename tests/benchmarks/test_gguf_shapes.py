@@ -59,3 +59,6 @@ def test_a_written_file_loads_with_the_shapes_and_types_it_was_given(shapes, tmp
     config = load_gguf(path)[0]  # no tokenizer in this file: the config and weights only
     assert (config.num_layers, config.hidden_size, config.num_kv_heads, config.vocab_size) == (2, 256, 2, 512)
     assert shapes.tensor_bytes(path) == sum(t.data.nbytes for t in gguf.GGUFReader(str(path)).tensors)
+    assert shapes.write_gguf(tmp_path / "q5.gguf", shape, "Q5_K_M", context_length=64) == {"Q6_K": 3, "Q5_K": 12}
+    assert gguf.GGUFReader(str(tmp_path / "q5.gguf")).fields["general.file_type"].parts[-1][0] == \
+        gguf.LlamaFileType.MOSTLY_Q5_K_M
