@@ -73,7 +73,11 @@ static void silu_rows(const float *gu, long rows, long inter, float *act) {
         for (; i + 16 <= inter; i += 16) {
             __m512 g = _mm512_loadu_ps(gate + i);
             __m512 e = exp_nonpositive(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            /* below -88, e^-g overflows and silu is 0 (as expf gives it): without the mask the clamped
+             * e^88 left values under 1e-35, whose products with `up` were subnormal, and every
+             * later step on them took the CPU's slow path */
+            __mmask16 live = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.0f), _CMP_GE_OQ);
+            __m512 silu = _mm512_maskz_div_ps(live, g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
         }
 #endif
