@@ -234,8 +234,12 @@ def _mean(runs: list[dict], key: str) -> float:
 
 def render(summary: dict) -> str:
     machine = summary["machine"]
+    rates = sorted({round(m.get("bandwidth_gb_s", summary["bandwidth_gb_s"]), 1) for m in summary["models"]}
+                   or {round(summary["bandwidth_gb_s"], 1)})
+    bandwidth = f"{rates[0]:.1f}" if len(rates) == 1 else f"{rates[0]:.1f}-{rates[-1]:.1f}"
+    per_run = "" if len(rates) == 1 else ", measured at the start of each run that added models"
     lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['cores']} cores); read bandwidth "
-             f"{summary['bandwidth_gb_s']:.1f} GB/s (`torch.sum` over 1 GiB, best of 5); llama.cpp from "
+             f"{bandwidth} GB/s (`torch.sum` over 1 GiB, best of 5{per_run}); llama.cpp from "
              f"llama-cpp-python {summary['llama_cpp_version']}'s vendored tree, `-np {SEATS} -t "
              f"{summary['threads']}`{'' if summary['repack'] else ' --no-repack'}; ifb `--enable-in-flight-batching "
              f"--max-batch-size {SEATS}`; the same KV room ({summary['context']} tokens a seat). Output tokens/s, "
