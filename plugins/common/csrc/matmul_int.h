@@ -174,19 +174,7 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
                         s[r][c] = itimes256(s[r][c]);
                         if (kind == K6) sb[r][c] = itimes256(sb[r][c]);
                     }
-            if (kind == K5) { /* byte codes 0..31: unsigned, as the nibbles */
-#pragma GCC unroll 8
-                for (int t = 0; t < QK / 4; t++)
-#pragma GCC unroll 4
-                    for (int c = 0; c < C; c++) {
-                        wvec w = load_chunk(q[c] + t * CHUNK);
-#pragma GCC unroll 8
-                        for (int r = 0; r < R; r++) {
-                            s[r][c] = dot4_u4(s[r][c], w, xb + r * k + 4 * t);
-                            if (fused) s2[r][c] = dot4_u4(s2[r][c], w, xb2 + r * k + 4 * t);
-                        }
-                    }
-            } else if (kind == Q8_0 || kind == K6) {
+            if (kind == Q8_0 || kind == K6 || kind == K5) { /* byte codes; K5's 0..31 unsigned, as nibbles */
 #pragma GCC unroll 8
                 for (int t = 0; t < QK / 4; t++)
 #pragma GCC unroll 4
@@ -199,8 +187,11 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
                                 if (fused) s2b[r][c] = dot4_q8(s2b[r][c], w, xb2 + r * k + 4 * t);
                                 continue;
                             }
-                            s[r][c] = dot4_q8(s[r][c], w, xb + r * k + 4 * t);
-                            if (fused) s2[r][c] = dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
+                            s[r][c] = kind == K5 ? dot4_u4(s[r][c], w, xb + r * k + 4 * t)
+                                                 : dot4_q8(s[r][c], w, xb + r * k + 4 * t);
+                            if (fused)
+                                s2[r][c] = kind == K5 ? dot4_u4(s2[r][c], w, xb2 + r * k + 4 * t)
+                                                      : dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
                         }
                     }
             } else {
