@@ -65,11 +65,10 @@ BLOCK = 32
 #: block types the interleaved kernels multiply: their kind number (Q4_K, Q6_K, Q5_K and Q5_1 decoded at
 #: load by ``Kernels.interleave_kquant``)
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5}
-#: output columns side by side in the interleaved layout, and the bytes of their scales (and minima)
-#: before a group block's codes, by kind (``csrc/matmul_layout.h``)
+#: output columns side by side in the interleaved layout (``csrc/matmul_layout.h``)
 GROUP_COLUMNS = 16
-_HEAD_BYTES = {0: 32, 1: 64, 2: 32, 3: 128, 4: 128, 5: 128}
-QK_HALF = 16
+#: the kinds whose codes are nibbles (16 bytes a column and block; the others: 32 bytes)
+_NIBBLE_KINDS = (0, 1, 3)
 #: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
 EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: every block type read as stored (the rest are dequantized to float32 at load)
@@ -207,14 +206,15 @@ class BlockLinear(nn.Module):
         value as ``gguf`` dequantizes the file's rows (the same float32 operations on the same
         scales and codes), so a tied embedding looked up here is the float32 table's."""
         flat = ids.reshape(-1).long()
-        nb = self.in_features // BLOCK
-        groups = self.blocks.view(-1, nb, GROUP_COLUMNS * self.blocks.shape[1] // nb)[flat // GROUP_COLUMNS]  # [T, nb, 16 columns' block bytes]
+        nb, block_bytes = self.in_features // BLOCK, qkernels.BLOCK_BYTES[self.kind]
+        groups = self.blocks.view(-1, nb, GROUP_COLUMNS * block_bytes)[flat // GROUP_COLUMNS]  # [T, nb, bytes]
         lane = (flat % GROUP_COLUMNS).view(-1, 1, 1)
-        head = _HEAD_BYTES[self.kind]
+        # the 16 columns' scales (and minima) come before their codes
+        head = GROUP_COLUMNS * (block_bytes - (16 if self.kind in _NIBBLE_KINDS else 32))
         chunks = groups[:, :, head:].reshape(len(flat), nb, -1, GROUP_COLUMNS, 4)
         index = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks.shape[2], 1, 4)
         codes = chunks.gather(3, index).reshape(len(flat), nb, -1)  # the lane's code bytes, in order
-        if self.kind in (0, 1, 3):  # nibbles: byte i holds weights i (low) and i + 16 (high)
+        if self.kind in _NIBBLE_KINDS:  # byte i holds weights i (low nibble) and i + 16 (high)
             codes = torch.cat([codes & 15, codes >> 4], dim=-1)
         elif self.kind in (2, 4):  # stored + 128
             codes = (codes ^ 0x80).view(torch.int8)
@@ -223,7 +223,7 @@ class BlockLinear(nn.Module):
             f = groups[:, :, :head].contiguous().view(torch.float32).view(len(flat), nb, 2, GROUP_COLUMNS)
             f = f.gather(3, lane.view(-1, 1, 1, 1).expand(-1, nb, 2, 1)).squeeze(3)  # [T, nb, 2]
             if self.kind == 4:
-                values = (f.repeat_interleave(QK_HALF, dim=-1) * values)
+                values = f.repeat_interleave(BLOCK // 2, dim=-1) * values  # a scale per half block
             else:
                 values = f[..., :1] * values + f[..., 1:]
         else:  # float16 d (and Q4_1's m) per column
@@ -488,13 +488,15 @@ def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], back
                 model.lm_head = None
             where = " in torch" if swap.num_torch > num_torch else ""
             head = f"on GGUF blocks ({tensor.ggml_type.name}{where})"  # type: ignore[union-attr]
-            table = raw_tensors.get("model.embed_tokens.weight")
             if tied and isinstance(model.head, BlockLinear):
                 model.model.embed_tokens = HeadEmbedding(model.head)
                 embedding, in_head = model.head.qtype.name, True
-            elif (rows := None if table is None else read_blocks(table, STORED)) is not None:
-                model.model.embed_tokens = BlockEmbedding(rows)
-                embedding = rows.qtype.name
+            else:
+                table = raw_tensors.get("model.embed_tokens.weight")
+                rows = None if table is None else read_blocks(table, STORED)
+                if rows is not None:
+                    model.model.embed_tokens = BlockEmbedding(rows)
+                    embedding = rows.qtype.name
         elif backend == "torch-int4":
             weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
             model.head = quant_torch.RescoredHead(weight.detach())
