@@ -71,7 +71,14 @@ SOURCE_DIR = "csrc"
 SOURCE_NAME = "qkernels.c"
 #: bytes per column and 32-weight block of each kind as ``block_matmul`` reads it (0: Q4_0, 1: Q4_1,
 #: 2: Q8_0 as stored; 3: Q4_K, 4: Q6_K and 5: Q5_K / Q5_1 as ``interleave_kquant`` decodes them)
-BLOCK_BYTES = (18, 20, 34, 24, 40, 40)
+BLOCK_BYTES = (18, 20, 34, 18, 34, 40)
+#: and per column and 256-weight super-block (the head of Q4_K's d and dmin, of Q6_K's d)
+SUPER_BYTES = (0, 0, 0, 4, 2, 0)
+
+
+def kind_row_bytes(kind: int, k: int) -> int:
+    """Bytes of one output column's ``k`` weights in ``kind``'s interleaved layout."""
+    return k // 32 * BLOCK_BYTES[kind] + k // 256 * SUPER_BYTES[kind]
 #: the kinds ``interleave_kquant`` makes, by ggml type number (Q4_K, Q6_K, Q5_K, Q5_1)
 KQUANT_KINDS = {12: 3, 14: 4, 13: 5, 7: 5}
 #: exact float32 arithmetic (no fused multiply-add contraction); ``-march`` is added per build
@@ -199,7 +206,7 @@ class Kernels:
     def interleave_kquant(self, rows: torch.Tensor, qtype: int) -> torch.Tensor:
         """Q4_K, Q6_K, Q5_K or Q5_1 rows ``[N, K / block weights * block bytes]`` (uint8, as stored; ``qtype`` is ggml's
         type number) decoded into kind ``KQUANT_KINDS[qtype]`` of ``block_matmul``:
-        ``[ceil(N / 16) * 16, K / 32 * BLOCK_BYTES[kind]]``, the padding columns zero."""
+        ``[ceil(N / 16) * 16, kind_row_bytes(kind, K)]``, the padding columns zero."""
         if int(qtype) not in KQUANT_KINDS:
             raise ValueError(f"ggml type {qtype} has no interleaved kind")
         rows = rows.contiguous()
@@ -209,7 +216,7 @@ class Kernels:
             raise ValueError(f"rows of {row_bytes} bytes are not whole type-{qtype} blocks")
         k = row_bytes // nbytes * weights
         kind = KQUANT_KINDS[int(qtype)]
-        out = torch.empty(-(-n // 16) * 16, k // 32 * BLOCK_BYTES[kind], dtype=torch.uint8)
+        out = torch.empty(-(-n // 16) * 16, kind_row_bytes(kind, k), dtype=torch.uint8)
         status = self._interleave_kquant(rows.data_ptr(), n, k, int(qtype), out.data_ptr())
         if status == -1:
             raise MemoryError("no memory to decode a row")
@@ -231,7 +238,7 @@ class Kernels:
         m, k = x.shape
         if kind >= 3 and activations == "float32":
             raise ValueError("the K-quant kinds take int16 or int8 activations")
-        if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != k // 32 * BLOCK_BYTES[kind]:
+        if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != kind_row_bytes(kind, k):
             raise ValueError(f"{tuple(blocks.shape)} interleaved blocks do not hold {n} rows of {k}")
         out = torch.empty(m, n, dtype=torch.float32)
         status = self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, ACTIVATIONS[activations],

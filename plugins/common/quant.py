@@ -206,26 +206,44 @@ class BlockLinear(nn.Module):
         value as ``gguf`` dequantizes the file's rows (the same float32 operations on the same
         scales and codes), so a tied embedding looked up here is the float32 table's."""
         flat = ids.reshape(-1).long()
-        nb, block_bytes = self.in_features // BLOCK, qkernels.BLOCK_BYTES[self.kind]
-        groups = self.blocks.view(-1, nb, GROUP_COLUMNS * block_bytes)[flat // GROUP_COLUMNS]  # [T, nb, bytes]
-        lane = (flat % GROUP_COLUMNS).view(-1, 1, 1)
+        k, kind, cols = self.in_features, self.kind, GROUP_COLUMNS
+        nb, block_bytes, sup = k // BLOCK, qkernels.BLOCK_BYTES[kind], cols * qkernels.SUPER_BYTES[kind]
+        rows = self.blocks.view(-1, cols * qkernels.kind_row_bytes(kind, k))[flat // cols]  # the groups' rows
+        lane = (flat % cols).view(-1, 1, 1)
+
+        def lanes(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            """[T, A, 16 * size] bytes as the lane's value of each of A: [T, A] float32."""
+            part = part.contiguous().view(dtype)
+            return part.gather(2, lane.expand(-1, part.shape[1], 1)).squeeze(2).float()
+
+        if sup:  # each super-block of 8 blocks starts with its head (d, and K4's dmin)
+            parts = rows.view(len(flat), nb // 8, sup + 8 * cols * block_bytes)
+            supers, groups = parts[..., :sup], parts[..., sup:].reshape(len(flat), nb, cols * block_bytes)
+        else:
+            groups = rows.view(len(flat), nb, cols * block_bytes)
         # the 16 columns' scales (and minima) come before their codes
-        head = GROUP_COLUMNS * (block_bytes - (16 if self.kind in _NIBBLE_KINDS else 32))
-        chunks = groups[:, :, head:].reshape(len(flat), nb, -1, GROUP_COLUMNS, 4)
+        head = cols * (block_bytes - (16 if kind in _NIBBLE_KINDS else 32))
+        chunks = groups[:, :, head:].reshape(len(flat), nb, -1, cols, 4)
         index = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks.shape[2], 1, 4)
         codes = chunks.gather(3, index).reshape(len(flat), nb, -1)  # the lane's code bytes, in order
-        if self.kind in _NIBBLE_KINDS:  # byte i holds weights i (low nibble) and i + 16 (high)
+        if kind in _NIBBLE_KINDS:  # byte i holds weights i (low nibble) and i + 16 (high)
             codes = torch.cat([codes & 15, codes >> 4], dim=-1)
-        elif self.kind in (2, 4):  # stored + 128
+        elif kind in (2, 4):  # stored + 128
             codes = (codes ^ 0x80).view(torch.int8)
         values = codes.float()
-        if self.kind >= 3:  # float32 scales (and minima, or K6's second half's scales) per column
-            f = groups[:, :, :head].contiguous().view(torch.float32).view(len(flat), nb, 2, GROUP_COLUMNS)
+        if kind == 3:  # d * sc and -(dmin * m), exact in float32, as gguf's dequantization
+            d = lanes(supers[..., :2 * cols], torch.float16).repeat_interleave(8, dim=1)
+            dmin = lanes(supers[..., 2 * cols:], torch.float16).repeat_interleave(8, dim=1)
+            sc, mn = lanes(groups[..., :cols], torch.uint8), lanes(groups[..., cols:2 * cols], torch.uint8)
+            values = (d * sc)[..., None] * values + (-(dmin * mn))[..., None]
+        elif kind == 4:  # d * sc of each half block
+            d = lanes(supers, torch.float16).repeat_interleave(8, dim=1)
+            halves = [d * lanes(groups[..., i * cols:(i + 1) * cols], torch.int8) for i in (0, 1)]
+            values = torch.stack(halves, dim=-1).repeat_interleave(BLOCK // 2, dim=-1) * values
+        elif kind == 5:  # float32 scales and minima per column
+            f = groups[:, :, :head].contiguous().view(torch.float32).view(len(flat), nb, 2, cols)
             f = f.gather(3, lane.view(-1, 1, 1, 1).expand(-1, nb, 2, 1)).squeeze(3)  # [T, nb, 2]
-            if self.kind == 4:
-                values = f.repeat_interleave(BLOCK // 2, dim=-1) * values  # a scale per half block
-            else:
-                values = f[..., :1] * values + f[..., 1:]
+            values = f[..., :1] * values + f[..., 1:]
         else:  # float16 d (and Q4_1's m) per column
             h = groups[:, :, :head].contiguous().view(torch.float16).view(len(flat), nb, -1, GROUP_COLUMNS)
             h = h.gather(3, lane.view(-1, 1, 1, 1).expand(-1, nb, h.shape[2], 1)).squeeze(3).float()

@@ -198,8 +198,8 @@ INLINE void tile_amx(const matmul_t *job, long r0, long g0, long g1, int kind, i
             amx_unpack(job, gu, bu, kind, bts[i & 1]);
             NEXT(gu, bu);
         }
-        if (i + AMX_AHEAD < steps) /* a chunk's steps are contiguous blocks: ask for one further on */
-            prefetch_span(group_start(job, g0, 0, kind) + (i + AMX_AHEAD) * group_bytes(kind), group_bytes(kind));
+        if (i + AMX_AHEAD < steps) /* ask for a block further on */
+            prefetch_span(group_start(job, g0 + (i + AMX_AHEAD) / nb, (i + AMX_AHEAD) % nb, kind), group_bytes(kind));
         if (i < steps) {
             if (i & 1)
                 AMX_STORE(6, 7, cs[1]);

@@ -150,6 +150,20 @@ INLINE vec vfmadd(vec a, vec b, vec c) {
     vec r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
     return r;
 }
+INLINE ivec iload_u8(const uint8_t *p) {
+    ivec r = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+    return r;
+}
+INLINE ivec iload_i8(const uint8_t *p) {
+    ivec r = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+    return r;
+}
+INLINE vec icvt(ivec s) {
+    vec r = {_mm256_cvtepi32_ps(s.a), _mm256_cvtepi32_ps(s.b)};
+    return r;
+}
 INLINE vec vset1(float v) {
     vec r = {_mm256_set1_ps(v), _mm256_set1_ps(v)};
     return r;

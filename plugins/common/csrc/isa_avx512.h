@@ -91,4 +91,8 @@ INLINE ivec itimes256(ivec s) { return _mm512_slli_epi32(s, 8); }
 INLINE ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 INLINE vec icvt_scaled(ivec s, float scale) { return _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale)); }
 INLINE vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+/* the K kinds' scales: 16 bytes as int32 lanes (unsigned, signed), as float32 */
+INLINE ivec iload_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE ivec iload_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vec icvt(ivec s) { return _mm512_cvtepi32_ps(s); }
 INLINE vec vset1(float v) { return _mm512_set1_ps(v); }

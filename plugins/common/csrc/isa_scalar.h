@@ -113,6 +113,21 @@ INLINE vec vfmadd(vec a, vec b, vec c) {
     for (int i = 0; i < GROUP; i++) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
     return c;
 }
+INLINE ivec iload_u8(const uint8_t *p) {
+    ivec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = p[c];
+    return r;
+}
+INLINE ivec iload_i8(const uint8_t *p) {
+    ivec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = (int8_t)p[c];
+    return r;
+}
+INLINE vec icvt(ivec s) {
+    vec r;
+    for (int c = 0; c < GROUP; c++) r.v[c] = (float)s.v[c];
+    return r;
+}
 INLINE vec vset1(float v) {
     vec r;
     for (int i = 0; i < GROUP; i++) r.v[i] = v;

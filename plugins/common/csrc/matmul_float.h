@@ -4,7 +4,11 @@
 
 /* Block b of group g: its start, and its codes after the 16 scales (and minima). */
 INLINE const uint8_t *group_start(const matmul_t *job, long g, long b, int kind) {
-    return job->blocks + (g * (job->k / QK) + b) * group_bytes(kind);
+    return block_at(job->blocks + g * group_row_bytes(kind, job->k), b, kind);
+}
+/* The head of the super-block that holds block b of group g (K4, K6). */
+INLINE const uint8_t *super_head(const matmul_t *job, long g, long b, int kind) {
+    return group_start(job, g, b - b % SUPER, kind) - super_head_bytes(kind);
 }
 INLINE const uint8_t *group_codes(const matmul_t *job, long g, long b, int kind) {
     return group_start(job, g, b, kind) + head_bytes(kind);
@@ -14,6 +18,18 @@ INLINE const uint8_t *group_codes(const matmul_t *job, long g, long b, int kind)
  * the scales of the two halves); returns its codes. */
 INLINE const uint8_t *group_block(const matmul_t *job, long g, long b, int kind, vec *d, vec *m) {
     const uint8_t *blk = group_start(job, g, b, kind);
+    if (kind == K4) { /* d * sc and -(dmin * m): exact float32 products */
+        const uint8_t *sup = super_head(job, g, b, K4);
+        *d = vmul(halves16(sup), icvt(iload_u8(blk)));
+        *m = vmul(vmul(halves16(sup + 2 * GROUP), icvt(iload_u8(blk + GROUP))), vset1(-1.0f));
+        return group_codes(job, g, b, kind);
+    }
+    if (kind == K6) { /* d * sc of each half */
+        vec dd = halves16(super_head(job, g, b, K6));
+        *d = vmul(dd, icvt(iload_i8(blk)));
+        *m = vmul(dd, icvt(iload_i8(blk + GROUP)));
+        return group_codes(job, g, b, kind);
+    }
     if (kind >= K4) {
         *d = vload((const float *)blk);
         *m = vload((const float *)blk + GROUP);

@@ -10,10 +10,13 @@
  *   Q4_0: 16 d, then 4 chunks    (code byte i of a column: weights i and i + 16, as in GGUF)
  *   Q4_1: 16 d, 16 m, then 4 chunks
  *   Q8_0: 16 d, then 8 chunks    (codes stored + 128, as unsigned bytes)
- *   K4:   16 float32 scales, 16 float32 minima, then 4 chunks as Q4_1's (a Q4_K sub-block of 32:
- *         scale d * sc and minimum -dmin * m, exact in float32; codes 0..15)
- *   K6:   16 float32 scales of weights 0..15, 16 of weights 16..31, then 8 chunks as Q8_0's (a
- *         Q6_K block's two sub-blocks of 16: scales d * sc, codes q - 32 stored + 128)
+ *   K4:   16 bytes sc, 16 bytes m, then 4 chunks as Q4_1's (a Q4_K sub-block of 32: 6-bit scale
+ *         sc and minimum m; codes 0..15)
+ *   K6:   16 int8 sc of weights 0..15, 16 of weights 16..31, then 8 chunks as Q8_0's (a Q6_K
+ *         block's two sub-blocks of 16: codes q - 32 stored + 128)
+ * and the K kinds' super-blocks of 8 blocks each start with a head: K4's 16 float16 d, then 16
+ * dmin; K6's 16 float16 d. The float32 scales are d * sc (and minima -dmin * m), exact, made as
+ * the blocks are read: what the file holds, 18.5 (K4) and 34.25 (K6) bytes per column and block.
  *   K5:   16 float32 scales, 16 float32 minima, then 8 chunks of the codes 0..31 as bytes (a Q5_K
  *         sub-block: d * sc and -dmin * m; a Q5_1 block: d and m; codes unsigned, no offset)
  * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in
@@ -41,9 +44,21 @@ typedef struct {
     long ldy;              /* y's row stride (n, or more: a slice of wider rows) */
 } matmul_t;
 
-/* Bytes of one group's block, and of its scales (and minima) before the code chunks. */
+/* Bytes of one group's block, and of its scales (and minima) before the code chunks; of one
+ * group's super-block head (K4, K6; else 0); of a group's row of k weights. */
 INLINE long group_bytes(int kind) { return GROUP * BLOCK_BYTES[kind]; }
-INLINE long head_bytes(int kind) { return kind == Q4_1 ? 4 * GROUP : kind >= K4 ? 8 * GROUP : 2 * GROUP; }
+INLINE long head_bytes(int kind) {
+    return kind == Q4_1 ? 4 * GROUP : kind == K5 ? 8 * GROUP : 2 * GROUP;
+}
+INLINE long super_head_bytes(int kind) { return GROUP * SUPER_BYTES[kind]; }
+INLINE long group_row_bytes(int kind, long k) {
+    return (k / QK) * group_bytes(kind) + (k / (SUPER * QK)) * super_head_bytes(kind);
+}
+/* Where block b of a group row (at `row`) starts. */
+INLINE const uint8_t *block_at(const uint8_t *row, long b, int kind) {
+    if (SUPER_BYTES[kind] == 0) return row + b * group_bytes(kind);
+    return row + (b / SUPER + 1) * super_head_bytes(kind) + b * group_bytes(kind);
+}
 
 /* GGUF rows [n, k / 32 blocks] -> interleaved groups; columns past n (the last group's padding)
  * get zero scales, so their weights are zero. */

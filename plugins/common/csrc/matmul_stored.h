@@ -298,7 +298,7 @@ int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t 
     long row_bytes = stored_row_bytes(type, k);
     if (row_bytes < 0 || (type != T_Q4_K && type != T_Q6_K && type != T_Q5_K && type != T_Q5_1)) return -2;
     int kind = type == T_Q4_K ? K4 : type == T_Q6_K ? K6 : K5;
-    long nb = k / QK, groups = (n + GROUP - 1) / GROUP, gb = group_bytes(kind), head = head_bytes(kind);
+    long nb = k / QK, groups = (n + GROUP - 1) / GROUP, head = head_bytes(kind), grow = group_row_bytes(kind, k);
     int8_t *codes = (int8_t *)malloc((size_t)k);
     float *scales = (float *)malloc(sizeof(float) * (size_t)(k / 16)), *mins = (float *)malloc(sizeof(float) * (size_t)nb);
     if (codes == NULL || scales == NULL || mins == NULL) {
@@ -307,27 +307,41 @@ int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t 
         free(mins);
         return -1;
     }
-    memset(dst, 0, (size_t)(groups * nb * gb));
+    memset(dst, 0, (size_t)(groups * grow));
     for (long j = 0; j < n; j++) {
-        decode_row(type, src + j * row_bytes, k, codes, scales, mins);
+        const uint8_t *row = src + j * row_bytes;
+        decode_row(type, row, k, codes, scales, mins);
         long g = j / GROUP, c = j % GROUP;
         for (long b = 0; b < nb; b++) {
-            uint8_t *out = dst + (g * nb + b) * gb;
-            float *f = (float *)out; /* [16 scales][16 minima or second scales] */
+            uint8_t *out = (uint8_t *)block_at(dst + g * grow, b, kind);
+            float *f = (float *)out; /* K5: [16 scales][16 minima] */
+            if (kind != K5 && b % SUPER == 0) { /* the super-block's head: d (and K4's dmin) as stored */
+                const uint8_t *sup = row + (b / SUPER) * (kind == K4 ? 144 : 210) + (kind == K4 ? 0 : 208);
+                uint8_t *h = out - super_head_bytes(kind);
+                h[2 * c] = sup[0];
+                h[2 * c + 1] = sup[1];
+                if (kind == K4) {
+                    h[2 * GROUP + 2 * c] = sup[2];
+                    h[2 * GROUP + 2 * c + 1] = sup[3];
+                }
+            }
             const int8_t *q = codes + b * QK;
             if (kind == K5) {
                 f[c] = scales[b];
                 f[GROUP + c] = mins[b];
                 for (int i = 0; i < QK; i++) /* codes 0..31 as bytes, laid out as Q8_0's */
                     out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)q[i];
-            } else if (kind == K4) {
-                f[c] = scales[b];
-                f[GROUP + c] = mins[b];
+            } else if (kind == K4) { /* the block's 6-bit scale and minimum */
+                int sc, mn;
+                k_scale_min(row + (b / SUPER) * 144 + 4, (int)(b % SUPER), &sc, &mn);
+                out[c] = (uint8_t)sc;
+                out[GROUP + c] = (uint8_t)mn;
                 for (int i = 0; i < QK / 2; i++) /* byte i: weights i and i + 16, as Q4_1's */
                     out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] | q[i + QK / 2] << 4);
-            } else {
-                f[c] = scales[2 * b];
-                f[GROUP + c] = scales[2 * b + 1];
+            } else { /* the int8 scales of the block's halves */
+                const uint8_t *sc = row + (b / SUPER) * 210 + 192 + 2 * (b % SUPER);
+                out[c] = sc[0];
+                out[GROUP + c] = sc[1];
                 for (int i = 0; i < QK; i++) /* code + 128, as Q8_0's */
                     out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] ^ 0x80);
             }
