@@ -45,6 +45,13 @@ class Experts(Protocol):
         ...
 
 
+def exp_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` spelled with ``exp``: torch's sigmoid takes a tensor's tail (the values past
+    its last whole vectors) through scalar code that differs from the vector code in the last bit,
+    so a token's gate would depend on how many tokens share the step; ``exp`` and arithmetic agree."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
 def route(logits: torch.Tensor, top_k: int, *, normalize: bool, router: str = "softmax_topk"
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[T, E]`` to ``(weights [T, K] float32, expert_ids [T, K])``.
@@ -155,7 +162,7 @@ class SparseMoE(nn.Module):
         for pick in picks[1:]:  # ascending expert order, whatever the batch
             y = y + pick
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(rowwise_linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+            y = y + exp_sigmoid(rowwise_linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return y
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
