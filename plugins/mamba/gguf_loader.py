@@ -117,7 +117,7 @@ def _our_tensors(raw: dict[str, torch.Tensor], config: HybridConfig) -> dict[str
         layer, kind, part = int(m.group(1)), m.group(2), m.group(3)
         p = f"backbone.layers.{layer}."
         if kind == "ssm_a":
-            out[p + "mixer.A_log"] = torch.log(-t.reshape(-1))
+            out[p + "mixer.A"] = t.reshape(-1)
         elif kind == "ssm_d":
             out[p + "mixer.D"] = t.reshape(-1)
         elif kind == "ssm_dt":

@@ -87,7 +87,7 @@ _RENAMES = {
 
 
 def our_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under ``HybridModel``'s parameter names."""
+    """The checkpoint's tensors under ``HybridModel``'s parameter names (``A_log`` as ``A``)."""
     rules = [(re.compile(pattern), repl) for pattern, repl in _RENAMES[family]]
     out = {}
     for name, tensor in state.items():
@@ -96,6 +96,8 @@ def our_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
             if renamed != name:
                 name = renamed
                 break
+        if name.endswith(".mixer.A_log"):  # the model holds A = -exp(A_log), as GGUF files store it
+            name, tensor = name[:-len("_log")], -torch.exp(tensor.float())
         out[name] = tensor
     return out
 
@@ -113,6 +115,11 @@ def build_hybrid_model(loaded: LoadedHybrid, device: torch.device | str = "cpu")
         raise ValueError(f"{loaded.path}: the weights do not match the config's layer pattern "
                          f"{loaded.config.pattern!r}: {exc}") from None
     model = model.to(device=device, dtype=torch.float32)
+    # Tensors read in place sit at their file's offsets, and some CPU kernels' sums depend on a
+    # tensor's alignment: each gets memory of its own (the allocator aligns it), so the same weights
+    # give the same bits whichever file (safetensors, GGUF) they came from.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
     # Per-token matmuls make CPU results independent of the batch; on CUDA the plain GEMMs run.
     model.set_row_invariant(torch.device(device).type == "cpu")
     return model.eval()

@@ -47,7 +47,9 @@ class Mamba2Mixer(nn.Module):
         self.in_proj = TokenLinear(c.hidden_size, inner + c.conv_dim + c.mamba_num_heads, bias=c.mamba_proj_bias)
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim, bias=c.use_conv_bias,
                                 padding=c.conv_kernel - 1)
-        self.A_log = nn.Parameter(torch.zeros(c.mamba_num_heads))
+        # A = -exp(A_log), made once at load (loader.our_names) or read as a GGUF stores it: recomputing
+        # it from a GGUF's log(-A) would not give the file's A back bit for bit
+        self.register_buffer("A", torch.zeros(c.mamba_num_heads))
         self.D = nn.Parameter(torch.ones(c.mamba_num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(c.mamba_num_heads))
         self.norm = GatedRMSNorm(inner, c.n_groups, c.layer_norm_epsilon)
@@ -95,7 +97,7 @@ class Mamba2Mixer(nn.Module):
         xs = xs.reshape(num_tokens, heads, c.mamba_head_dim)
         B = B.reshape(num_tokens, groups, c.ssm_state_size)
         C = C.reshape(num_tokens, groups, c.ssm_state_size)
-        A = -torch.exp(self.A_log.float())
+        A = self.A
         y = torch.empty_like(xs)
         if layout.has_decode:
             i = layout.decode_token_idx
