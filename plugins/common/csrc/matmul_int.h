@@ -233,17 +233,149 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
         for (int r = 0; r < R; r++) store_output(job, r0 + r, g0 + c, acc[r][c]);
 }
 
+/* tile_q8's sums and steps for the nibble kinds (Q4_0, Q4_1, K4) over several rows, the passes one
+ * after the other: the same integers and float32 steps, in a loop free of the byte kinds' arrays,
+ * which otherwise cost the compiler its registers (accumulators spilled, moves around each dot). */
+INLINE void tile_q4(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
+    long k = job->k, nb = k / QK;
+    vec acc[MAX_RQ][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; c++) acc[r][c] = VZERO();
+    for (long b = 0; b < nb; b++) {
+        vec d[2], m[2];
+        const uint8_t *q[2];
+        ivec s[MAX_RQ][2];
+#pragma GCC unroll 2
+        for (int c = 0; c < C; c++) {
+            q[c] = group_block(job, g0 + c, b, kind, &d[c], &m[c]);
+            if (b + Q8_AHEAD < nb)
+                prefetch_span(group_start(job, g0 + c, b + Q8_AHEAD, kind), group_bytes(kind));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) s[r][c] = izero();
+        }
+#pragma GCC unroll 2
+        for (int pass = 0; pass < P; pass++) {
+            const int8_t *xb = job->xq + pass * job->mq * k + r0 * k + b * QK;
+            if (pass > 0)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+                    for (int c = 0; c < C; c++) s[r][c] = itimes256(s[r][c]);
+#pragma GCC unroll 4
+            for (int t = 0; t < QK / 8; t++)
+#pragma GCC unroll 2
+                for (int c = 0; c < C; c++) {
+                    wvec v = load_chunk(q[c] + t * CHUNK), lo = low_nibbles(v), hi = high_nibbles(v);
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++) {
+                        s[r][c] = dot4_u4(s[r][c], lo, xb + r * k + 4 * t);
+                        s[r][c] = dot4_u4(s[r][c], hi, xb + r * k + QK / 2 + 4 * t);
+                    }
+                }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int c = 0; c < C; c++) acc[r][c] = block_step(job, r0 + r, b, kind, s[r][c], d[c], m[c], acc[r][c]);
+    }
+#pragma GCC unroll 2
+    for (int c = 0; c < C; c++)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) store_output(job, r0 + r, g0 + c, acc[r][c]);
+}
+
+#if IFB_ISA == 512
+/* tile_q4 for 4 rows by 2 groups, each sum its own variable: GCC keeps arrays of them on the stack. */
+INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) {
+    long k = job->k, nb = k / QK;
+    __m512 a00 = VZERO(), a01 = VZERO(), a10 = VZERO(), a11 = VZERO(), a20 = VZERO(), a21 = VZERO(),
+           a30 = VZERO(), a31 = VZERO();
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (long b = 0; b < nb; b++) {
+        vec d0, m0, d1, m1;
+        const uint8_t *q0 = group_block(job, g0, b, kind, &d0, &m0), *q1 = group_block(job, g0 + 1, b, kind, &d1, &m1);
+        if (b + Q8_AHEAD < nb) {
+            prefetch_span(group_start(job, g0, b + Q8_AHEAD, kind), group_bytes(kind));
+            prefetch_span(group_start(job, g0 + 1, b + Q8_AHEAD, kind), group_bytes(kind));
+        }
+        __m512i s00 = izero(), s01 = izero(), s10 = izero(), s11 = izero(), s20 = izero(), s21 = izero(),
+                s30 = izero(), s31 = izero();
+#pragma GCC unroll 2
+        for (int pass = 0; pass < P; pass++) {
+            const int8_t *x = job->xq + pass * job->mq * k + r0 * k + b * QK;
+            if (pass > 0) {
+                s00 = itimes256(s00); s01 = itimes256(s01); s10 = itimes256(s10); s11 = itimes256(s11);
+                s20 = itimes256(s20); s21 = itimes256(s21); s30 = itimes256(s30); s31 = itimes256(s31);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < QK / 8; t++) {
+                __m512i v0 = _mm512_loadu_si512((const void *)(q0 + t * CHUNK)),
+                        v1 = _mm512_loadu_si512((const void *)(q1 + t * CHUNK));
+                __m512i l0 = _mm512_and_si512(v0, nib), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nib);
+                __m512i l1 = _mm512_and_si512(v1, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
+#define Q4_ROW(sa, sb, xr)                                                                  \
+    do {                                                                                    \
+        __m512i xl = x4_at((xr) + 4 * t), xh = x4_at((xr) + QK / 2 + 4 * t);                \
+        sa = dot4_u4(dot4_u4(sa, l0, (xr) + 4 * t), h0, (xr) + QK / 2 + 4 * t);             \
+        sb = dot4_u4(dot4_u4(sb, l1, (xr) + 4 * t), h1, (xr) + QK / 2 + 4 * t);             \
+        (void)xl; (void)xh;                                                                 \
+    } while (0)
+                Q4_ROW(s00, s01, x);
+                Q4_ROW(s10, s11, x + k);
+                Q4_ROW(s20, s21, x + 2 * k);
+                Q4_ROW(s30, s31, x + 3 * k);
+#undef Q4_ROW
+            }
+        }
+        a00 = block_step(job, r0, b, kind, s00, d0, m0, a00);
+        a01 = block_step(job, r0, b, kind, s01, d1, m1, a01);
+        a10 = block_step(job, r0 + 1, b, kind, s10, d0, m0, a10);
+        a11 = block_step(job, r0 + 1, b, kind, s11, d1, m1, a11);
+        a20 = block_step(job, r0 + 2, b, kind, s20, d0, m0, a20);
+        a21 = block_step(job, r0 + 2, b, kind, s21, d1, m1, a21);
+        a30 = block_step(job, r0 + 3, b, kind, s30, d0, m0, a30);
+        a31 = block_step(job, r0 + 3, b, kind, s31, d1, m1, a31);
+    }
+    store_output(job, r0, g0, a00);
+    store_output(job, r0, g0 + 1, a01);
+    store_output(job, r0 + 1, g0, a10);
+    store_output(job, r0 + 1, g0 + 1, a11);
+    store_output(job, r0 + 2, g0, a20);
+    store_output(job, r0 + 2, g0 + 1, a21);
+    store_output(job, r0 + 3, g0, a30);
+    store_output(job, r0 + 3, g0 + 1, a31);
+}
+
+#endif
+
+/* A tile of R rows by C groups: tile_q4 for the nibble kinds' multi-row tiles (C <= 2), else tile_q8. */
+INLINE void tile_int(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
+    int nibbles = kind == Q4_0 || kind == Q4_1 || kind == K4;
+#if IFB_ISA == 512
+    if (nibbles && R == 4 && C == 2) {
+        tile_q4_4x2(job, r0, g0, kind, P);
+        return;
+    }
+#endif
+    if (nibbles && R >= 2 && C <= 2)
+        tile_q4(job, r0, R, g0, C, kind, P);
+    else
+        tile_q8(job, r0, R, g0, C, kind, P);
+}
+
 /* Every row tile of rows [h0, h1) over groups [g, g + C). */
 INLINE void rows_q8(const matmul_t *job, long h0, long h1, long g, int C, int kind, int P) {
     for (long r0 = h0; r0 < h1; r0 += MAX_RQ) {
         long rows = h1 - r0;
-        if (rows >= MAX_RQ) tile_q8(job, r0, MAX_RQ, g, C, kind, P);
+        if (rows >= MAX_RQ) tile_int(job, r0, MAX_RQ, g, C, kind, P);
 #if MAX_RQ > 3
-        else if (rows == 3) tile_q8(job, r0, 3, g, C, kind, P);
+        else if (rows == 3) tile_int(job, r0, 3, g, C, kind, P);
 #endif
 #if MAX_RQ > 2
-        else if (rows == 2) tile_q8(job, r0, 2, g, C, kind, P);
+        else if (rows == 2) tile_int(job, r0, 2, g, C, kind, P);
 #endif
-        else tile_q8(job, r0, 1, g, C, kind, P);
+        else tile_int(job, r0, 1, g, C, kind, P);
     }
 }
