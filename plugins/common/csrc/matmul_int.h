@@ -348,14 +348,96 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
     store_output(job, r0 + 3, g0 + 1, a31);
 }
 
+
+/* The byte kinds' (Q8_0, K6, K5) 4 x 2 tile, each sum its own variable; K6's block in its two
+ * halves one after the other (the sums of one half, both passes, then its step: block_step_k6's
+ * order), so it needs no more registers than the others. */
+INLINE vec step_k6_half(const matmul_t *job, long r, long b, int half, ivec s, vec d, vec acc) {
+    long rb = r * (job->k / QK) + b;
+    int32_t fix = Q8_OFFSET ? 128 * job->qsum16[2 * rb + half] : 0;
+    return vfmadd(icvt_scaled(isub(s, fix), job->xs[rb]), d, acc);
+}
+
+INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) {
+    long k = job->k, nb = k / QK;
+    __m512 a00 = VZERO(), a01 = VZERO(), a10 = VZERO(), a11 = VZERO(), a20 = VZERO(), a21 = VZERO(),
+           a30 = VZERO(), a31 = VZERO();
+    const int halves = kind == K6 ? 2 : 1, chunks = QK / 4 / halves;
+    for (long b = 0; b < nb; b++) {
+        vec d0, m0, d1, m1;
+        const uint8_t *q0 = group_block(job, g0, b, kind, &d0, &m0), *q1 = group_block(job, g0 + 1, b, kind, &d1, &m1);
+        if (b + Q8_AHEAD < nb) {
+            prefetch_span(group_start(job, g0, b + Q8_AHEAD, kind), group_bytes(kind));
+            prefetch_span(group_start(job, g0 + 1, b + Q8_AHEAD, kind), group_bytes(kind));
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < halves; h++) {
+            __m512i s00 = izero(), s01 = izero(), s10 = izero(), s11 = izero(), s20 = izero(), s21 = izero(),
+                    s30 = izero(), s31 = izero();
+#pragma GCC unroll 2
+            for (int pass = 0; pass < P; pass++) {
+                const int8_t *x = job->xq + pass * job->mq * k + r0 * k + b * QK;
+                if (pass > 0) {
+                    s00 = itimes256(s00); s01 = itimes256(s01); s10 = itimes256(s10); s11 = itimes256(s11);
+                    s20 = itimes256(s20); s21 = itimes256(s21); s30 = itimes256(s30); s31 = itimes256(s31);
+                }
+#pragma GCC unroll 8
+                for (int t = h * chunks; t < (h + 1) * chunks; t++) {
+                    __m512i w0 = _mm512_loadu_si512((const void *)(q0 + t * CHUNK)),
+                            w1 = _mm512_loadu_si512((const void *)(q1 + t * CHUNK));
+#define Q8_ROW(sa, sb, xr)                                                                          \
+    do {                                                                                            \
+        sa = kind == K5 ? dot4_u4(sa, w0, (xr) + 4 * t) : dot4_q8(sa, w0, (xr) + 4 * t);            \
+        sb = kind == K5 ? dot4_u4(sb, w1, (xr) + 4 * t) : dot4_q8(sb, w1, (xr) + 4 * t);            \
+    } while (0)
+                    Q8_ROW(s00, s01, x);
+                    Q8_ROW(s10, s11, x + k);
+                    Q8_ROW(s20, s21, x + 2 * k);
+                    Q8_ROW(s30, s31, x + 3 * k);
+#undef Q8_ROW
+                }
+            }
+            if (kind == K6) { /* half h: scales d (first half) and m (second) */
+                a00 = step_k6_half(job, r0, b, h, s00, h ? m0 : d0, a00);
+                a01 = step_k6_half(job, r0, b, h, s01, h ? m1 : d1, a01);
+                a10 = step_k6_half(job, r0 + 1, b, h, s10, h ? m0 : d0, a10);
+                a11 = step_k6_half(job, r0 + 1, b, h, s11, h ? m1 : d1, a11);
+                a20 = step_k6_half(job, r0 + 2, b, h, s20, h ? m0 : d0, a20);
+                a21 = step_k6_half(job, r0 + 2, b, h, s21, h ? m1 : d1, a21);
+                a30 = step_k6_half(job, r0 + 3, b, h, s30, h ? m0 : d0, a30);
+                a31 = step_k6_half(job, r0 + 3, b, h, s31, h ? m1 : d1, a31);
+            } else {
+                a00 = block_step(job, r0, b, kind, s00, d0, m0, a00);
+                a01 = block_step(job, r0, b, kind, s01, d1, m1, a01);
+                a10 = block_step(job, r0 + 1, b, kind, s10, d0, m0, a10);
+                a11 = block_step(job, r0 + 1, b, kind, s11, d1, m1, a11);
+                a20 = block_step(job, r0 + 2, b, kind, s20, d0, m0, a20);
+                a21 = block_step(job, r0 + 2, b, kind, s21, d1, m1, a21);
+                a30 = block_step(job, r0 + 3, b, kind, s30, d0, m0, a30);
+                a31 = block_step(job, r0 + 3, b, kind, s31, d1, m1, a31);
+            }
+        }
+    }
+    store_output(job, r0, g0, a00);
+    store_output(job, r0, g0 + 1, a01);
+    store_output(job, r0 + 1, g0, a10);
+    store_output(job, r0 + 1, g0 + 1, a11);
+    store_output(job, r0 + 2, g0, a20);
+    store_output(job, r0 + 2, g0 + 1, a21);
+    store_output(job, r0 + 3, g0, a30);
+    store_output(job, r0 + 3, g0 + 1, a31);
+}
 #endif
 
 /* A tile of R rows by C groups: tile_q4 for the nibble kinds' multi-row tiles (C <= 2), else tile_q8. */
 INLINE void tile_int(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
     int nibbles = kind == Q4_0 || kind == Q4_1 || kind == K4;
 #if IFB_ISA == 512
-    if (nibbles && R == 4 && C == 2) {
-        tile_q4_4x2(job, r0, g0, kind, P);
+    if (R == 4 && C == 2) {
+        if (nibbles)
+            tile_q4_4x2(job, r0, g0, kind, P);
+        else
+            tile_q8_4x2(job, r0, g0, kind, P);
         return;
     }
 #endif
