@@ -294,8 +294,8 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
            a30 = VZERO(), a31 = VZERO();
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (long b = 0; b < nb; b++) {
-        vec d0, m0, d1, m1;
-        const uint8_t *q0 = group_block(job, g0, b, kind, &d0, &m0), *q1 = group_block(job, g0 + 1, b, kind, &d1, &m1);
+        /* the scales are made after the sums: fewer registers held across the dots */
+        const uint8_t *q0 = group_codes(job, g0, b, kind), *q1 = group_codes(job, g0 + 1, b, kind);
         if (b + Q8_AHEAD < nb) {
             prefetch_span(group_start(job, g0, b + Q8_AHEAD, kind), group_bytes(kind));
             prefetch_span(group_start(job, g0 + 1, b + Q8_AHEAD, kind), group_bytes(kind));
@@ -329,6 +329,9 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
 #undef Q4_ROW
             }
         }
+        vec d0, m0, d1, m1;
+        group_block(job, g0, b, kind, &d0, &m0);
+        group_block(job, g0 + 1, b, kind, &d1, &m1);
         a00 = block_step(job, r0, b, kind, s00, d0, m0, a00);
         a01 = block_step(job, r0, b, kind, s01, d1, m1, a01);
         a10 = block_step(job, r0 + 1, b, kind, s10, d0, m0, a10);
@@ -364,8 +367,8 @@ INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
            a30 = VZERO(), a31 = VZERO();
     const int halves = kind == K6 ? 2 : 1, chunks = QK / 4 / halves;
     for (long b = 0; b < nb; b++) {
-        vec d0, m0, d1, m1;
-        const uint8_t *q0 = group_block(job, g0, b, kind, &d0, &m0), *q1 = group_block(job, g0 + 1, b, kind, &d1, &m1);
+        /* the scales are made after the sums: fewer registers held across the dots */
+        const uint8_t *q0 = group_codes(job, g0, b, kind), *q1 = group_codes(job, g0 + 1, b, kind);
         if (b + Q8_AHEAD < nb) {
             prefetch_span(group_start(job, g0, b + Q8_AHEAD, kind), group_bytes(kind));
             prefetch_span(group_start(job, g0 + 1, b + Q8_AHEAD, kind), group_bytes(kind));
@@ -397,6 +400,9 @@ INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
 #undef Q8_ROW
                 }
             }
+            vec d0, m0, d1, m1;
+            group_block(job, g0, b, kind, &d0, &m0);
+            group_block(job, g0 + 1, b, kind, &d1, &m1);
             if (kind == K6) { /* half h: scales d (first half) and m (second) */
                 a00 = step_k6_half(job, r0, b, h, s00, h ? m0 : d0, a00);
                 a01 = step_k6_half(job, r0, b, h, s01, h ? m1 : d1, a01);
