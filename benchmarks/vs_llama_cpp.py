@@ -241,7 +241,7 @@ def render(summary: dict) -> str:
     lines = [f"Measured {machine['date']} on {machine['cpu']} ({machine['cores']} cores); read bandwidth "
              f"{bandwidth} GB/s (`torch.sum` over 1 GiB, best of 5{per_run}); llama.cpp from "
              f"llama-cpp-python {summary['llama_cpp_version']}'s vendored tree, `-np {SEATS} -t "
-             f"{summary['threads']}`{'' if summary['repack'] else ' --no-repack'}; ifb `--enable-in-flight-batching "
+             f"{summary['threads']}`{' (its weight repacking on)' if summary['repack'] else ' --no-repack'}; ifb `--enable-in-flight-batching "
              f"--max-batch-size {SEATS}`; the same KV room ({summary['context']} tokens a seat). Output tokens/s, "
              "each server's mean of its two runs in A-B-B-A order." + (" **Quick run: not representative.**"
                                                                         if summary["quick"] else ""), ""]
