@@ -287,6 +287,14 @@ INLINE void tile_q4(const matmul_t *job, long r0, int R, long g0, int C, int kin
 }
 
 #if IFB_ISA == 512
+/* The 4 x 2 tiles' results: accumulator a<r><c> is row r0 + r's group g0 + c. */
+INLINE void store_4x2(const matmul_t *job, long r0, long g0, vec a00, vec a01, vec a10, vec a11, vec a20, vec a21,
+                      vec a30, vec a31) {
+    const vec a[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 2; c++) store_output(job, r0 + r, g0 + c, a[r][c]);
+}
+
 /* tile_q4 for 4 rows by 2 groups, each sum its own variable: GCC keeps arrays of them on the stack. */
 INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) {
     long k = job->k, nb = k / QK;
@@ -317,10 +325,8 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
                 __m512i l1 = _mm512_and_si512(v1, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nib);
 #define Q4_ROW(sa, sb, xr)                                                                  \
     do {                                                                                    \
-        __m512i xl = x4_at((xr) + 4 * t), xh = x4_at((xr) + QK / 2 + 4 * t);                \
         sa = dot4_u4(dot4_u4(sa, l0, (xr) + 4 * t), h0, (xr) + QK / 2 + 4 * t);             \
         sb = dot4_u4(dot4_u4(sb, l1, (xr) + 4 * t), h1, (xr) + QK / 2 + 4 * t);             \
-        (void)xl; (void)xh;                                                                 \
     } while (0)
                 Q4_ROW(s00, s01, x);
                 Q4_ROW(s10, s11, x + k);
@@ -341,14 +347,7 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
         a30 = block_step(job, r0 + 3, b, kind, s30, d0, m0, a30);
         a31 = block_step(job, r0 + 3, b, kind, s31, d1, m1, a31);
     }
-    store_output(job, r0, g0, a00);
-    store_output(job, r0, g0 + 1, a01);
-    store_output(job, r0 + 1, g0, a10);
-    store_output(job, r0 + 1, g0 + 1, a11);
-    store_output(job, r0 + 2, g0, a20);
-    store_output(job, r0 + 2, g0 + 1, a21);
-    store_output(job, r0 + 3, g0, a30);
-    store_output(job, r0 + 3, g0 + 1, a31);
+    store_4x2(job, r0, g0, a00, a01, a10, a11, a20, a21, a30, a31);
 }
 
 
@@ -424,14 +423,7 @@ INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
             }
         }
     }
-    store_output(job, r0, g0, a00);
-    store_output(job, r0, g0 + 1, a01);
-    store_output(job, r0 + 1, g0, a10);
-    store_output(job, r0 + 1, g0 + 1, a11);
-    store_output(job, r0 + 2, g0, a20);
-    store_output(job, r0 + 2, g0 + 1, a21);
-    store_output(job, r0 + 3, g0, a30);
-    store_output(job, r0 + 3, g0 + 1, a31);
+    store_4x2(job, r0, g0, a00, a01, a10, a11, a20, a21, a30, a31);
 }
 #endif
 
