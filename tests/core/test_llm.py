@@ -38,8 +38,17 @@ def _interrupt_when_resident(llm: LLM, num: int) -> threading.Thread:
     return thread
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's KeyboardInterrupt handler for SIGINT: a run started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Python then installs none."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("in_flight", [True, False])
-def test_ctrl_c_in_generate_cancels_and_frees_the_seats(in_flight):
+def test_ctrl_c_in_generate_cancels_and_frees_the_seats(in_flight, ctrl_c_raises):
     llm = _llm(in_flight)
     try:
         num = 2 if in_flight else 1
