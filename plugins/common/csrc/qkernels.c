@@ -39,6 +39,7 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 
 #include "matmul_float.h"
 #include "matmul_int.h"
+#include "matmul_tiles.h"
 #include "amx.h"
 #include "matmul_dispatch.h"
 #include "jobs.h"
