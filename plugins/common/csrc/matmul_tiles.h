@@ -12,7 +12,8 @@ INLINE void store_4x2(const matmul_t *job, long r0, long g0, vec a00, vec a01, v
         for (int c = 0; c < 2; c++) store_output(job, r0 + r, g0 + c, a[r][c]);
 }
 
-/* tile_q4 for 4 rows by 2 groups, each sum its own variable: GCC keeps arrays of them on the stack. */
+/* tile_q8 for the nibble kinds (Q4_0, Q4_1, K4), 4 rows by 2 groups, each sum its own variable
+ * (GCC keeps arrays of them on the stack). */
 INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) {
     long k = job->k, nb = k / QK;
     __m512 a00 = VZERO(), a01 = VZERO(), a10 = VZERO(), a11 = VZERO(), a20 = VZERO(), a21 = VZERO(),
@@ -144,22 +145,18 @@ INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
 }
 #endif
 
-/* A tile of R rows by C groups: tile_q4 for the nibble kinds' multi-row tiles (C <= 2), else tile_q8. */
+/* A tile of R rows by C groups: the 4 x 2 tiles above where they fit, else tile_q8. */
 INLINE void tile_int(const matmul_t *job, long r0, int R, long g0, int C, int kind, int P) {
-    int nibbles = kind == Q4_0 || kind == Q4_1 || kind == K4;
 #if IFB_ISA == 512
     if (R == 4 && C == 2) {
-        if (nibbles)
+        if (kind == Q4_0 || kind == Q4_1 || kind == K4)
             tile_q4_4x2(job, r0, g0, kind, P);
         else
             tile_q8_4x2(job, r0, g0, kind, P);
         return;
     }
 #endif
-    if (nibbles && R >= 2 && C <= 2)
-        tile_q4(job, r0, R, g0, C, kind, P);
-    else
-        tile_q8(job, r0, R, g0, C, kind, P);
+    tile_q8(job, r0, R, g0, C, kind, P);
 }
 
 /* Every row tile of rows [h0, h1) over groups [g, g + C). */
