@@ -12,9 +12,10 @@
   limited by its unpacking more than by memory.)
 - Q4_K and Q6_K rows are decoded once at load by ``interleave_kquant`` into
   kinds of their own for ``block_matmul`` (K4: 4-bit codes with each 32-weight
-  sub-block's float32 scale and minimum; K6: int8 codes with the two float32
-  scales of a block's halves), integer activations only: the bits of
-  ``stored_matmul``, at the speed of the interleaved kernels (VNNI, AMX for K4).
+  sub-block's 6-bit scale and minimum; K6: 6-bit codes, as nibbles and 2-bit
+  planes, with the int8 scales of a block's halves; both with float16 ``d``
+  once per super-block, as the file has them), integer activations only: the
+  bits of ``stored_matmul``, at the speed of the interleaved kernels (VNNI, AMX).
 - ``stored_matmul``: the same integer scheme over GGUF rows kept exactly as
   stored for Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (``csrc/matmul_stored.h``: each
   row decoded once per call; the same bits as ``quant_blocks.block_matmul``,
@@ -71,7 +72,7 @@ SOURCE_DIR = "csrc"
 SOURCE_NAME = "qkernels.c"
 #: bytes per column and 32-weight block of each kind as ``block_matmul`` reads it (0: Q4_0, 1: Q4_1,
 #: 2: Q8_0 as stored; 3: Q4_K, 4: Q6_K and 5: Q5_K / Q5_1 as ``interleave_kquant`` decodes them)
-BLOCK_BYTES = (18, 20, 34, 18, 34, 40)
+BLOCK_BYTES = (18, 20, 34, 18, 26, 40)
 #: and per column and 256-weight super-block (the head of Q4_K's d and dmin, of Q6_K's d)
 SUPER_BYTES = (0, 0, 0, 4, 2, 0)
 

@@ -67,8 +67,13 @@ BLOCK = 32
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5}
 #: output columns side by side in the interleaved layout (``csrc/matmul_layout.h``)
 GROUP_COLUMNS = 16
-#: the kinds whose codes are nibbles (16 bytes a column and block; the others: 32 bytes)
+#: the kinds whose codes are nibbles (16 bytes a column and block; K6: 16 nibble bytes and 8 bytes of
+#: 2-bit planes; the others: 32 bytes)
 _NIBBLE_KINDS = (0, 1, 3)
+_CODE_BYTES = {0: 16, 1: 16, 3: 16, 4: 24}
+#: K6's weight i = 16h + 4u + j: its top 2 bits are bits 2u of byte j of plane h
+_K6_PLANE_BYTE = (torch.arange(32) // 16 * 4 + torch.arange(32) % 4)
+_K6_PLANE_SHIFT = (torch.arange(32) % 16 // 4 * 2).to(torch.int16)
 #: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
 EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
 #: every block type read as stored (the rest are dequantized to float32 at load)
@@ -222,13 +227,17 @@ class BlockLinear(nn.Module):
         else:
             groups = rows.view(len(flat), nb, cols * block_bytes)
         # the 16 columns' scales (and minima) come before their codes
-        head = cols * (block_bytes - (16 if kind in _NIBBLE_KINDS else 32))
+        head = cols * (block_bytes - _CODE_BYTES.get(kind, 32))
         chunks = groups[:, :, head:].reshape(len(flat), nb, -1, cols, 4)
         index = lane.view(-1, 1, 1, 1, 1).expand(-1, nb, chunks.shape[2], 1, 4)
         codes = chunks.gather(3, index).reshape(len(flat), nb, -1)  # the lane's code bytes, in order
         if kind in _NIBBLE_KINDS:  # byte i holds weights i (low nibble) and i + 16 (high)
             codes = torch.cat([codes & 15, codes >> 4], dim=-1)
-        elif kind in (2, 4):  # stored + 128
+        elif kind == 4:  # 6-bit codes q: low 4 bits as the nibble kinds', top 2 bits in planes; q - 32
+            low = torch.cat([codes[..., :16] & 15, codes[..., :16] >> 4], dim=-1).to(torch.int16)
+            top = (codes[..., 16 + _K6_PLANE_BYTE].to(torch.int16) >> _K6_PLANE_SHIFT) & 3
+            codes = (low | top << 4) - 32
+        elif kind == 2:  # stored + 128
             codes = (codes ^ 0x80).view(torch.int8)
         values = codes.float()
         if kind == 3:  # d * sc and -(dmin * m), exact in float32, as gguf's dequantization

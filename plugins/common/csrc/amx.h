@@ -74,13 +74,14 @@ static void amx_configure_k6(void) {
     amx_configured = 2;
 }
 
-/* Rows [r0, r0 + 16) by K6 groups [g0, g1): per block, the halves' tile products (sums with the
- * +128 offset of the codes, as VNNI's dot4_q8 gives them), then block_step_k6: the vector tiles'
- * bits. Not pipelined as tile_amx is: the products of the next block overlap the float steps. */
+/* Rows [r0, r0 + 16) by K6 groups [g0, g1): per block, its 6-bit codes rebuilt as bytes by
+ * k6_chunk, the halves' tile products (sums of the unsigned codes, as the vector tiles' dot4_u4
+ * gives them), then block_step_k6: the vector tiles' bits. Not pipelined as tile_amx is: the products of the next block overlap the float steps. */
 INLINE void tile_amx_k6(const matmul_t *job, long r0, long g0, long g1, int P) {
     if (amx_configured != 2) amx_configure_k6();
     long k = job->k, nb = k / QK;
     _Alignas(64) int32_t cs[2][2][AMX_ROWS][GROUP]; /* [half][pass] */
+    _Alignas(64) uint8_t bt[QK / 4 * CHUNK];         /* the block's code bytes, rebuilt by k6_chunk */
     for (long g = g0; g < g1; g++) {
         __m512 acc[AMX_ROWS];
 #pragma GCC unroll 16
@@ -89,8 +90,10 @@ INLINE void tile_amx_k6(const matmul_t *job, long r0, long g0, long g1, int P) {
             const uint8_t *q = group_codes(job, g, b, K6);
             const int8_t *xb = job->xq + r0 * k + b * QK;
             if (b + 2 < nb) prefetch_span(group_start(job, g, b + 2, K6), group_bytes(K6));
-            _tile_loadd(2, q, CHUNK);
-            _tile_loadd(5, q + (QK / 8) * CHUNK, CHUNK);
+#pragma GCC unroll 8
+            for (int t = 0; t < QK / 4; t++) _mm512_store_si512((void *)(bt + t * CHUNK), k6_chunk(q, t));
+            _tile_loadd(2, bt, CHUNK);
+            _tile_loadd(5, bt + (QK / 8) * CHUNK, CHUNK);
             _tile_loadd(0, xb, k);
             _tile_loadd(1, xb + QK / 2, k);
             _tile_zero(3);

@@ -33,7 +33,7 @@
 enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K4 = 3, K6 = 4, K5 = 5 };
 /* bytes per column and 32-weight block: a group's block is 16 times as many (K4, K6: and per
  * column and 256-weight super-block, SUPER_BYTES more: matmul_layout.h) */
-static const long BLOCK_BYTES[6] = {18, 20, 34, 18, 34, 40};
+static const long BLOCK_BYTES[6] = {18, 20, 34, 18, 26, 40};
 static const long SUPER_BYTES[6] = {0, 0, 0, 4, 2, 0};
 #define SUPER 8 /* 32-weight blocks a K-quant super-block */
 

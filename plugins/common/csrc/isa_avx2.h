@@ -109,12 +109,27 @@ INLINE wvec high_nibbles(wvec v) {
     wvec r = {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
     return r;
 }
+/* K6's chunk t of 6-bit codes (see the AVX-512 code) */
+INLINE __m256i k6_half(__m256i nib, __m256i plane, int t) {
+    int u = t % 4;
+    __m256i top = u == 0 ? _mm256_slli_epi16(plane, 4) : u == 1 ? _mm256_slli_epi16(plane, 2)
+                : u == 2 ? plane : _mm256_srli_epi16(plane, 2);
+    __m256i low = t < 4 ? nib : _mm256_srli_epi16(nib, 4);
+    low = _mm256_and_si256(low, _mm256_set1_epi8(0x0F));
+    return _mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
+}
+INLINE wvec k6_chunk(const uint8_t *q, int t) {
+    wvec nib = load_chunk(q + (t % 4) * CHUNK), plane = load_chunk(q + (4 + t / 4) * CHUNK);
+    wvec r = {k6_half(nib.a, plane.a, t), k6_half(nib.b, plane.b, t)};
+    return r;
+}
 INLINE __m256i x4_at(const int8_t *x) {
     int32_t v;
     __builtin_memcpy(&v, x, 4);
     return _mm256_set1_epi32(v);
 }
 INLINE __m256i madd_pairs(__m256i u, __m256i sx) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, sx), _mm256_set1_epi16(1)); }
+/* 4-bit codes (0..15), and K6's 6-bit ones (0..63: |pair| <= 2 * 63 * 127, no saturation) */
 INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
     __m256i xb = x4_at(x);
     ivec r = {_mm256_add_epi32(s.a, madd_pairs(w.a, xb)), _mm256_add_epi32(s.b, madd_pairs(w.b, xb))};

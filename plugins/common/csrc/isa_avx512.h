@@ -62,20 +62,31 @@ INLINE ivec izero(void) { return _mm512_setzero_si512(); }
 INLINE wvec load_chunk(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 INLINE wvec low_nibbles(wvec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 INLINE wvec high_nibbles(wvec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+/* K6's chunk t (0..7) of 6-bit codes from its nibble chunk and 2-bit plane (matmul_layout.h): the
+ * plane's bits 2u, 2u + 1 (u = t % 4) of each byte shifted to bits 4, 5 (16-bit shifts: what
+ * crosses into the next byte is masked off) */
+INLINE wvec k6_chunk(const uint8_t *q, int t) {
+    int u = t % 4;
+    __m512i nib = load_chunk(q + u * CHUNK), plane = load_chunk(q + (4 + t / 4) * CHUNK);
+    __m512i top = u == 0 ? _mm512_slli_epi16(plane, 4) : u == 1 ? _mm512_slli_epi16(plane, 2)
+                : u == 2 ? plane : _mm512_srli_epi16(plane, 2);
+    __m512i low = t < 4 ? low_nibbles(nib) : high_nibbles(nib);
+    return _mm512_or_si512(low, _mm512_and_si512(top, _mm512_set1_epi8(0x30)));
+}
 INLINE __m512i x4_at(const int8_t *x) {
     int32_t v;
     __builtin_memcpy(&v, x, 4);
     return _mm512_set1_epi32(v);
 }
 #if defined(__AVX512VNNI__)
-/* 4-bit codes (0..15) */
+/* 4-bit codes (0..15), and K6's 6-bit ones (0..63) */
 INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) { return _mm512_dpbusd_epi32(s, w, x4_at(x)); }
 /* Q8_0 codes stored + 128: sums that hold 128 * (the activations' sum) too (Q8_OFFSET) */
 INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) { return _mm512_dpbusd_epi32(s, w, x4_at(x)); }
 #define Q8_OFFSET 1
 #else
 INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
-    __m512i p = _mm512_maddubs_epi16(w, x4_at(x)); /* |pair| <= 2 * 15 * 127: no saturation */
+    __m512i p = _mm512_maddubs_epi16(w, x4_at(x)); /* |pair| <= 2 * 63 * 127: no saturation */
     return _mm512_add_epi32(s, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
 }
 INLINE ivec dot4_q8(ivec s, wvec w, const int8_t *x) {

@@ -81,6 +81,14 @@ INLINE wvec high_nibbles(wvec v) {
     for (int i = 0; i < CHUNK; i++) v.b[i] >>= 4;
     return v;
 }
+/* K6's chunk t of 6-bit codes (see the AVX-512 code) */
+INLINE wvec k6_chunk(const uint8_t *q, int t) {
+    const uint8_t *nib = q + (t % 4) * CHUNK, *plane = q + (4 + t / 4) * CHUNK;
+    wvec v;
+    for (int i = 0; i < CHUNK; i++)
+        v.b[i] = (uint8_t)(((t < 4 ? nib[i] : nib[i] >> 4) & 0x0F) + 16 * ((plane[i] >> (2 * (t % 4))) & 3));
+    return v;
+}
 INLINE ivec dot4_u4(ivec s, wvec w, const int8_t *x) {
     for (int c = 0; c < GROUP; c++)
         for (int j = 0; j < 4; j++) s.v[c] += (int32_t)w.b[4 * c + j] * x[j];

@@ -126,10 +126,11 @@ INLINE vec block_step(const matmul_t *job, long r, long b, int kind, ivec s, vec
     return affine ? vfmadd(m, vset1(job->xsum[rb]), acc) : acc;
 }
 
-/* K6's step: the two halves' sums sa and sb (with Q8_OFFSET's offset), scales da and db. */
+/* K6's step: the two halves' sums sa and sb of the 6-bit codes q (weights q - 32: each half's sum
+ * less 32 times its activation codes' sum), scales da and db. */
 INLINE vec block_step_k6(const matmul_t *job, long r, long b, ivec sa, ivec sb, vec da, vec db, vec acc) {
     long rb = r * (job->k / QK) + b;
-    int32_t fa = Q8_OFFSET ? 128 * job->qsum16[2 * rb] : 0, fb = Q8_OFFSET ? 128 * job->qsum16[2 * rb + 1] : 0;
+    int32_t fa = 32 * job->qsum16[2 * rb], fb = 32 * job->qsum16[2 * rb + 1];
     acc = vfmadd(icvt_scaled(isub(sa, fa), job->xs[rb]), da, acc);
     return vfmadd(icvt_scaled(isub(sb, fb), job->xs[rb]), db, acc);
 }
@@ -174,24 +175,24 @@ INLINE void tile_q8(const matmul_t *job, long r0, int R, long g0, int C, int kin
                         s[r][c] = itimes256(s[r][c]);
                         if (kind == K6) sb[r][c] = itimes256(sb[r][c]);
                     }
-            if (kind == Q8_0 || kind == K6 || kind == K5) { /* byte codes; K5's 0..31 unsigned, as nibbles */
+            if (kind == Q8_0 || kind == K6 || kind == K5) { /* byte codes; K5's 0..31 and K6's 0..63 unsigned, as nibbles */
 #pragma GCC unroll 8
                 for (int t = 0; t < QK / 4; t++)
 #pragma GCC unroll 4
                     for (int c = 0; c < C; c++) {
-                        wvec w = load_chunk(q[c] + t * CHUNK);
+                        wvec w = kind == K6 ? k6_chunk(q[c], t) : load_chunk(q[c] + t * CHUNK);
 #pragma GCC unroll 8
                         for (int r = 0; r < R; r++) {
                             if (kind == K6 && t >= QK / 8) { /* weights 16..31 */
-                                sb[r][c] = dot4_q8(sb[r][c], w, xb + r * k + 4 * t);
-                                if (fused) s2b[r][c] = dot4_q8(s2b[r][c], w, xb2 + r * k + 4 * t);
+                                sb[r][c] = dot4_u4(sb[r][c], w, xb + r * k + 4 * t);
+                                if (fused) s2b[r][c] = dot4_u4(s2b[r][c], w, xb2 + r * k + 4 * t);
                                 continue;
                             }
-                            s[r][c] = kind == K5 ? dot4_u4(s[r][c], w, xb + r * k + 4 * t)
-                                                 : dot4_q8(s[r][c], w, xb + r * k + 4 * t);
+                            s[r][c] = kind == Q8_0 ? dot4_q8(s[r][c], w, xb + r * k + 4 * t)
+                                                   : dot4_u4(s[r][c], w, xb + r * k + 4 * t);
                             if (fused)
-                                s2[r][c] = kind == K5 ? dot4_u4(s2[r][c], w, xb2 + r * k + 4 * t)
-                                                      : dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t);
+                                s2[r][c] = kind == Q8_0 ? dot4_q8(s2[r][c], w, xb2 + r * k + 4 * t)
+                                                        : dot4_u4(s2[r][c], w, xb2 + r * k + 4 * t);
                         }
                     }
             } else {

@@ -12,11 +12,14 @@
  *   Q8_0: 16 d, then 8 chunks    (codes stored + 128, as unsigned bytes)
  *   K4:   16 bytes sc, 16 bytes m, then 4 chunks as Q4_1's (a Q4_K sub-block of 32: 6-bit scale
  *         sc and minimum m; codes 0..15)
- *   K6:   16 int8 sc of weights 0..15, 16 of weights 16..31, then 8 chunks as Q8_0's (a Q6_K
- *         block's two sub-blocks of 16: codes q - 32 stored + 128)
+ *   K6:   16 int8 sc of weights 0..15, 16 of weights 16..31, then the 6-bit codes q (a Q6_K
+ *         block's two sub-blocks of 16; weight i is q - 32) as 4 nibble chunks of their low 4
+ *         bits (as Q4_1's: byte i holds weights i and i + 16) and 2 chunks of their top 2 bits
+ *         (chunk h, byte j of a column: bits 2u, 2u + 1 hold weight 16h + 4u + j's); k6_chunk
+ *         rebuilds chunk t of the bytes q + 96 (q - 32 stored + 128, as Q8_0's) from them
  * and the K kinds' super-blocks of 8 blocks each start with a head: K4's 16 float16 d, then 16
  * dmin; K6's 16 float16 d. The float32 scales are d * sc (and minima -dmin * m), exact, made as
- * the blocks are read: what the file holds, 18.5 (K4) and 34.25 (K6) bytes per column and block.
+ * the blocks are read: what the file holds, 18.5 (K4) and 26.25 (K6) bytes per column and block.
  *   K5:   16 float32 scales, 16 float32 minima, then 8 chunks of the codes 0..31 as bytes (a Q5_K
  *         sub-block: d * sc and -dmin * m; a Q5_1 block: d and m; codes unsigned, no offset)
  * Float32 activations: a tile is R rows by C groups; each output element has one accumulator that takes the products in

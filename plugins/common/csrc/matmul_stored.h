@@ -338,12 +338,14 @@ int ifb_interleave_kquant(const uint8_t *src, long n, long k, int type, uint8_t 
                 out[GROUP + c] = (uint8_t)mn;
                 for (int i = 0; i < QK / 2; i++) /* byte i: weights i and i + 16, as Q4_1's */
                     out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] | q[i + QK / 2] << 4);
-            } else { /* the int8 scales of the block's halves */
+            } else { /* the int8 scales of the block's halves, then the 6-bit codes q + 32 */
                 const uint8_t *sc = row + (b / SUPER) * 210 + 192 + 2 * (b % SUPER);
                 out[c] = sc[0];
                 out[GROUP + c] = sc[1];
-                for (int i = 0; i < QK; i++) /* code + 128, as Q8_0's */
-                    out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(q[i] ^ 0x80);
+                for (int i = 0; i < QK / 2; i++) /* low 4 bits: byte i holds weights i and i + 16 */
+                    out[head + (i / 4) * CHUNK + c * 4 + i % 4] = (uint8_t)(((q[i] + 32) & 15) | ((q[i + QK / 2] + 32) & 15) << 4);
+                for (int i = 0; i < QK; i++) /* top 2 bits: weight i = 16h + 4u + j at bits 2u of plane h's byte j */
+                    out[head + (4 + i / 16) * CHUNK + c * 4 + i % 4] |= (uint8_t)(((q[i] + 32) >> 4) << (2 * (i % 16 / 4)));
             }
         }
     }

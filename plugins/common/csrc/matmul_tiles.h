@@ -74,7 +74,7 @@ INLINE void tile_q4_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
  * order), so it needs no more registers than the others. */
 INLINE vec step_k6_half(const matmul_t *job, long r, long b, int half, ivec s, vec d, vec acc) {
     long rb = r * (job->k / QK) + b;
-    int32_t fix = Q8_OFFSET ? 128 * job->qsum16[2 * rb + half] : 0;
+    int32_t fix = 32 * job->qsum16[2 * rb + half]; /* as block_step_k6 */
     return vfmadd(icvt_scaled(isub(s, fix), job->xs[rb]), d, acc);
 }
 
@@ -103,12 +103,12 @@ INLINE void tile_q8_4x2(const matmul_t *job, long r0, long g0, int kind, int P) 
                 }
 #pragma GCC unroll 8
                 for (int t = h * chunks; t < (h + 1) * chunks; t++) {
-                    __m512i w0 = _mm512_loadu_si512((const void *)(q0 + t * CHUNK)),
-                            w1 = _mm512_loadu_si512((const void *)(q1 + t * CHUNK));
+                    __m512i w0 = kind == K6 ? k6_chunk(q0, t) : load_chunk(q0 + t * CHUNK),
+                            w1 = kind == K6 ? k6_chunk(q1, t) : load_chunk(q1 + t * CHUNK);
 #define Q8_ROW(sa, sb, xr)                                                                          \
     do {                                                                                            \
-        sa = kind == K5 ? dot4_u4(sa, w0, (xr) + 4 * t) : dot4_q8(sa, w0, (xr) + 4 * t);            \
-        sb = kind == K5 ? dot4_u4(sb, w1, (xr) + 4 * t) : dot4_q8(sb, w1, (xr) + 4 * t);            \
+        sa = kind == Q8_0 ? dot4_q8(sa, w0, (xr) + 4 * t) : dot4_u4(sa, w0, (xr) + 4 * t);          \
+        sb = kind == Q8_0 ? dot4_q8(sb, w1, (xr) + 4 * t) : dot4_u4(sb, w1, (xr) + 4 * t);          \
     } while (0)
                     Q8_ROW(s00, s01, x);
                     Q8_ROW(s10, s11, x + k);
