@@ -30,6 +30,8 @@ and run with ``--no-repack`` (its AMX repacking crashes on some VMs; ``--repack`
     python benchmarks/vs_llama_cpp.py                          # every model: long (hours on 2 cores)
     python benchmarks/vs_llama_cpp.py --models default,qwen2.5-0.5b:Q4_K_M
     python benchmarks/vs_llama_cpp.py --quick                  # a few short requests: checks the setup
+    python benchmarks/vs_llama_cpp.py --quantization int8 --append   # ifb with 8-bit activations, as
+                                                               # llama.cpp's: rows MODEL@int8
     python benchmarks/vs_llama_cpp.py --publish                # also writes the table into README.md
 
 Raw results go to ``benchmarks/runs/<date>-llama-cpp/`` (git-ignored); ``--publish`` writes the
@@ -155,13 +157,13 @@ def rss_mib(pid: int) -> dict[str, float]:
 
 
 def start_server(name: str, model: Model, binary: Path, context: int, log: Path, repack: bool,
-                 threads: int) -> tuple[subprocess.Popen, str]:
+                 threads: int, quantization: str = "auto") -> tuple[subprocess.Popen, str]:
     port = free_port()
     if name == "ifb":
         command = [sys.executable, "-m", "ifb", "serve", str(model.path), "--port", str(port),
                    "--enable-in-flight-batching", "--max-batch-size", str(SEATS),
                    "--max-kv-cache-capacity", str(SEATS * context), "--queue-timeout", "900",
-                   "--max-queued-requests", "256", "--log-level", "warning"]
+                   "--max-queued-requests", "256", "--log-level", "warning", "--quantization", quantization]
     else:  # one slot per seat, each with the same context; the same KV room in all
         command = [str(binary), "-m", str(model.path), "--port", str(port), "-np", str(SEATS),
                    "-c", str(SEATS * context), "-t", str(threads), "--no-webui", "--log-disable"]
@@ -195,13 +197,16 @@ def read_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def measure_model(model: Model, binary: Path, chosen: list[Workload], out_dir: Path, args: argparse.Namespace) -> dict:
     procs: dict[str, tuple[subprocess.Popen, str]] = {}
-    result: dict = {"model": model.key, "title": model.title, "bytes_per_token": model.num_bytes,
+    mode = args.quantization
+    result: dict = {"model": model.key + ("" if mode == "auto" else f"@{mode}"),
+                    "title": model.title + ("" if mode == "auto" else f"; ifb `--quantization {mode}`"),
+                    "quantization": mode, "bytes_per_token": model.num_bytes,
                     "file_bytes": model.path.stat().st_size, "workloads": {},
                     "requests": {w.name: w.num_requests for w in chosen}}
     try:
         for name in SERVERS:  # one at a time, so the load-time peaks are each server's own
-            procs[name] = start_server(name, model, binary, args.context, out_dir / f"{model.key}.{name}.log".replace(":", "-"),
-                                       args.repack, args.threads)
+            log = out_dir / f"{result['model']}.{name}.log".replace(":", "-").replace("@", "-")
+            procs[name] = start_server(name, model, binary, args.context, log, args.repack, args.threads, mode)
             wait_ready(procs[name][1], procs[name][0], args.startup_timeout)
         result["memory_mib_loaded"] = {name: rss_mib(proc.pid) for name, (proc, _) in procs.items()}
         for _, url in procs.values():
@@ -281,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="Arrivals per second of the poisson workload.")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads.")
     parser.add_argument("--repack", action="store_true", help="Let llama.cpp repack weights (AMX).")
+    parser.add_argument("--quantization", choices=("auto", "int8"), default="auto",
+                        help="ifb's --quantization; int8: 8-bit activation codes, as llama.cpp's CPU path "
+                             "(a row of its own: MODEL@int8).")
     parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")
     parser.add_argument("--publish", action="store_true", help="Write vs_llama_cpp.json and the README table.")
     parser.add_argument("--table-only", type=Path, metavar="SUMMARY",
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {model.title}", flush=True)
         measured = measure_model(model, binary, chosen_for(key), out_dir, args)
         measured["bandwidth_gb_s"] = summary["bandwidth_gb_s"]
-        summary["models"] = [m for m in summary["models"] if m["model"] != key] + [measured]
+        summary["models"] = [m for m in summary["models"] if m["model"] != measured["model"]] + [measured]
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n" + render(summary))
     if args.publish:
