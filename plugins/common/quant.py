@@ -67,9 +67,10 @@ BLOCK = 32
 KINDS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4, Q.Q5_K: 5, Q.Q5_1: 5}
 #: output columns side by side in the interleaved layout (``csrc/matmul_layout.h``)
 GROUP_COLUMNS = 16
-#: the kinds whose codes are nibbles (16 bytes a column and block; K6: 16 nibble bytes and 8 bytes of
-#: 2-bit planes; the others: 32 bytes)
+#: the kinds whose codes are nibbles (byte i holds weights i and i + 16)
 _NIBBLE_KINDS = (0, 1, 3)
+#: code bytes a column and block, after its scales: the nibble kinds 16, K6 24 (16 nibble bytes, 8 of
+#: 2-bit planes), the others 32
 _CODE_BYTES = {0: 16, 1: 16, 3: 16, 4: 24}
 #: K6's weight i = 16h + 4u + j: its top 2 bits are bits 2u of byte j of plane h
 _K6_PLANE_BYTE = (torch.arange(32) // 16 * 4 + torch.arange(32) % 4)

@@ -76,7 +76,8 @@ static void amx_configure_k6(void) {
 
 /* Rows [r0, r0 + 16) by K6 groups [g0, g1): per block, its 6-bit codes rebuilt as bytes by
  * k6_chunk, the halves' tile products (sums of the unsigned codes, as the vector tiles' dot4_u4
- * gives them), then block_step_k6: the vector tiles' bits. Not pipelined as tile_amx is: the products of the next block overlap the float steps. */
+ * gives them), then block_step_k6: the vector tiles' bits. Not pipelined as tile_amx is: the
+ * products of the next block overlap the float steps. */
 INLINE void tile_amx_k6(const matmul_t *job, long r0, long g0, long g1, int P) {
     if (amx_configured != 2) amx_configure_k6();
     long k = job->k, nb = k / QK;

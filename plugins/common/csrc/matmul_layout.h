@@ -16,7 +16,7 @@
  *         block's two sub-blocks of 16; weight i is q - 32) as 4 nibble chunks of their low 4
  *         bits (as Q4_1's: byte i holds weights i and i + 16) and 2 chunks of their top 2 bits
  *         (chunk h, byte j of a column: bits 2u, 2u + 1 hold weight 16h + 4u + j's); k6_chunk
- *         rebuilds chunk t of the bytes q + 96 (q - 32 stored + 128, as Q8_0's) from them
+ *         rebuilds chunk t of the codes q as bytes (as K5's: unsigned, 4 bytes a column) from them
  * and the K kinds' super-blocks of 8 blocks each start with a head: K4's 16 float16 d, then 16
  * dmin; K6's 16 float16 d. The float32 scales are d * sc (and minima -dmin * m), exact, made as
  * the blocks are read: what the file holds, 18.5 (K4) and 26.25 (K6) bytes per column and block.
