@@ -35,10 +35,10 @@ from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
-from ifb_plugins.common.prompt import prompt_token_ids
-from ifb_plugins.common.runtime import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
-from ifb_plugins.common.sampling import sample_step
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.chat.prompt import prompt_token_ids
+from ifb_plugins.common.runtime.text import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
+from ifb_plugins.common.decoding.sampling import sample_step
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.mamba")
 

@@ -32,15 +32,15 @@ from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.deepstack import build_text_model
-from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.media_prompt import media_step_positions, splice_embeddings
-from ifb_plugins.common.model import rope_table
-from ifb_plugins.common.moe import fuse_expert_state
-from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.deepstack import build_text_model
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.media.prompt import media_step_positions, splice_embeddings
+from ifb_plugins.common.models.decoder import rope_table
+from ifb_plugins.common.layers.moe import fuse_expert_state
+from ifb_plugins.common.runtime.text import KV_BLOCK_SIZE, TextRuntime
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
 from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder

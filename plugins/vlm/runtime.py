@@ -20,11 +20,11 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared, ScheduledStep
-from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.runtime import TextRuntime
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
-from ifb_plugins.common.media import MediaItem, parse_messages
-from ifb_plugins.common.media_prompt import MEDIA, MediaSpan, expand_media, media_step_positions, splice_embeddings
+from ifb_plugins.common.media.parts import MediaItem, parse_messages
+from ifb_plugins.common.media.prompt import MEDIA, MediaSpan, expand_media, media_step_positions, splice_embeddings
 from ifb_plugins.vlm.pruning import prune
 
 #: audio arrives resampled to this rate unless an encoder asks for another

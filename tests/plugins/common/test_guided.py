@@ -14,10 +14,10 @@ from ifb.engine import check_options
 from ifb.options import BUILTIN_OPTIONS
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import ScheduledSeq
-from ifb_plugins.common.caps import text_options
-from ifb_plugins.common.guided import GUIDED_GRAMMAR, GuidedDecoder
-from ifb_plugins.common.testing import save_tiny_checkpoint
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.runtime.caps import text_options
+from ifb_plugins.common.decoding.guided import GUIDED_GRAMMAR, GuidedDecoder
+from tests.models.text import save_tiny_checkpoint
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 CODE = r"[0-9]{3}-[a-z]{2,5}"
 PERSON = {
@@ -227,8 +227,8 @@ def test_gguf_vocabulary_reaches_the_matcher_as_raw_bytes(checkpoint, tmp_path):
     # bytes ("Ġ" is a space), the control tokens as special, and the GGUF end-of-sequence id.
     import gguf
 
-    from ifb_plugins.common.gguf_loader import read_metadata
-    from ifb_plugins.common.testing import save_tiny_gguf
+    from ifb_plugins.common.loading.gguf import read_metadata
+    from tests.models.text import save_tiny_gguf
 
     path = save_tiny_gguf(checkpoint, tmp_path / "tiny.gguf")
     tokenizer = TextTokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(path)))

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ifb_plugins.common import native_decoder, qkernels
-from ifb_plugins.common.native_decoder import (
+from ifb_plugins.common.models import native_decoder
+
+from ifb_plugins.common.quant import kernels as qkernels
+from ifb_plugins.common.models.native_decoder import (
     PARAMS_HEADER, STRUCTS, build_structs, check_layout, layout_mismatches, parse_layout, reported_layout,
 )
 

@@ -16,7 +16,7 @@ from ifb.params import RequestSpec
 from ifb.runtime import SeqOutput, StepOutput
 from ifb.scheduler import Scheduler
 from ifb_plugins.context_cache.cache import PrefixCache
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 from tests.core.fakes import FakeRuntime
 from tests.helpers import submit_staggered

@@ -22,7 +22,7 @@ from ifb.kv import BlockManager
 from ifb.params import RequestSpec, SamplingParams
 from ifb.scheduler import Scheduler
 from ifb_plugins.context_cache.hybrid import HybridPrefixCache
-from ifb_plugins.mamba.testing import save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_h
 
 from tests.core.fakes import FakeRuntime
 from tests.helpers import submit_staggered

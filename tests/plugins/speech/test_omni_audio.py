@@ -21,8 +21,8 @@ import torch
 from ifb import LLM
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.model import allocate_kv_cache
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.decoder import allocate_kv_cache
 from ifb_plugins.speech.omni_audio import load_audio_encoder
 
 from tests.helpers import submit_staggered

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from ifb import LLM, SamplingParams
 from ifb.engine import RequestRejected
 from ifb.params import InvalidRequest, RequestSpec
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 from tests.helpers import submit_staggered
 

@@ -11,9 +11,9 @@ from PIL import Image
 from ifb import SamplingParams
 from ifb.params import RequestSpec
 from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.model import allocate_kv_cache
-from ifb_plugins.vlm.testing import audio_part, image_part
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.decoder import allocate_kv_cache
+from tests.models.media import audio_part, image_part
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 

@@ -133,7 +133,7 @@ def test_prompt_and_first_step_logits_equal_transformers(llm, processor, referen
 
 
 def _attn(runtime, seq):
-    from ifb_plugins.common.attention import build_attn_metadata
+    from ifb_plugins.common.layers.attention import build_attn_metadata
 
     return build_attn_metadata([(seq.start_pos, len(seq.token_ids), seq.block_ids)], runtime.kv_block_size)
 

@@ -11,10 +11,10 @@ from PIL import Image
 
 from ifb import LLM, SamplingParams
 from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.hf_loader import load_hf_state_dict
+from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.vlm.qwen2_5_vl import split_state
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 from tests.helpers import submit_staggered
 from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, ours, picture, reference_inputs, trace

@@ -9,7 +9,7 @@ import pytest
 
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest, RequestSpec
-from ifb_plugins.vlm.testing import audio_part, image_part, png_bytes, wav_bytes
+from tests.models.media import audio_part, image_part, png_bytes, wav_bytes
 
 from tests.helpers import submit_staggered
 
