@@ -7,7 +7,6 @@ import threading
 
 import pytest
 
-from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, OptionSupport, Support
 from ifb.engine import EngineFull, RequestEngine, RequestRejected
 from ifb.gate import UnsupportedDeployment
@@ -272,7 +271,7 @@ def test_blocking_path_serves_n_and_times_out_in_queue():
     gate = threading.Event()
     rt = FakeRuntime(gate=gate)
     cfg = DeployConfig(max_queued_requests=1, queue_timeout=0.05)
-    eng = BlockingEngine(rt, cfg, list(BUILTIN_OPTIONS))
+    eng = RequestEngine(rt, cfg, list(BUILTIN_OPTIONS), in_flight=False)
     try:
         first = eng.submit(spec([1, 2], n=2, temperature=0.7, seed=3))
         while eng.counters.snapshot()["resident"] == 0:  # the worker took it; the queue is empty
@@ -295,51 +294,45 @@ def test_blocking_path_serves_n_and_times_out_in_queue():
         eng.shutdown()
 
 
-def test_blocking_path_follows_the_runtimes_plan_alone():
-    """``plan_alone``: the pool persists, the context wraps the drive, ``finish`` maps the outputs lazily."""
-    import contextlib
-
+def test_blocking_path_serves_the_runtimes_finish_output_and_whole_requests():
+    """One seat: ``finish_output`` replaces a finishing request's last output (lazily, at its end); a
+    request prepared ``is_served_whole`` is served by ``handle_request`` and runs no step; every block
+    of the engine's pool comes back."""
     import attrs
 
-    from ifb.blocking import AlonePlan
-    from ifb.kv import BlockManager
     from ifb.outputs import RequestOutput
-
-    events = []
-
-    @contextlib.contextmanager
-    def around(name):
-        events.append(f"enter {name}")
-        yield
-        events.append(f"exit {name} after {len(rt.steps)} steps")
-
-    def finish(request, outputs):
-        if request.spec.extras.get("skip"):  # never iterates the outputs: no step runs
-            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
-                                finish_reason="stop")
-            return
-        outs = list(outputs)
-        yield from outs[:-1]
-        yield attrs.evolve(outs[-1], extras={"num_outputs": len(outs)})
+    from ifb.runtime import Prepared
 
     @attrs.define
-    class PlanningRuntime(FakeRuntime):
-        pool: BlockManager = attrs.field(factory=lambda: BlockManager(256, 4))
+    class FinishingRuntime(FakeRuntime):
+        finished: list = attrs.field(factory=list)
 
-        def plan_alone(self, request):
-            return AlonePlan(blocks=self.pool, context=around(request.request_id),
-                             finish=lambda outputs: finish(request, outputs))
+        def prepare(self, spec):
+            prepared = super().prepare(spec)
+            return attrs.evolve(prepared, state=spec.extras.get("tag"), is_served_whole=bool(spec.extras.get("whole")))
 
-    rt = PlanningRuntime()
-    eng = BlockingEngine(rt, DeployConfig(), list(BUILTIN_OPTIONS))
+        def finish_output(self, request, output):
+            self.finished.append((request.state, len(self.steps)))
+            return [RequestOutput(request_id=output.request_id, text="", token_ids=(), audio_chunk=b"x"),
+                    attrs.evolve(output, num_output_tokens=99)]
+
+        def handle_request(self, spec, request):
+            yield RequestOutput(request_id=request.request_id, text="whole", token_ids=(), finished=True,
+                                finish_reason="stop")
+
+    rt = FinishingRuntime()
+    eng = RequestEngine(rt, DeployConfig(), list(BUILTIN_OPTIONS), in_flight=False)
     try:
-        handle = eng.submit(spec([1, 2, 3], max_tokens=4))
-        final = handle.result()
-        assert final.token_ids == tuple(expected([1, 2, 3], 4)) and final.extras == {"num_outputs": 4}
-        assert events == [f"enter {handle.request_id}", f"exit {handle.request_id} after {len(rt.steps)} steps"]
-        assert rt.steps and rt.pool.num_free == 256  # seated in the runtime's pool, and every block back
+        handle = eng.submit(RequestSpec(prompt_token_ids=(1, 2, 3), params=SamplingParams(max_tokens=4, temperature=0),
+                                        extras={"tag": "a"}))
+        outs = list(handle)
+        assert [o.audio_chunk for o in outs[-2:]] == [b"x", b""] and outs[-1].num_output_tokens == 99
+        assert tuple(t for o in outs for t in o.token_ids) == tuple(expected([1, 2, 3], 4))
+        assert rt.finished == [("a", len(rt.steps))]  # called once, after the request's last step
         num_steps = len(rt.steps)
-        skipped = eng.submit(RequestSpec(prompt_token_ids=(1, 2), params=GREEDY, extras={"skip": True})).result()
-        assert len(rt.steps) == num_steps and skipped.token_ids == ()
+        whole = eng.submit(RequestSpec(prompt_token_ids=(1, 2), params=GREEDY, extras={"whole": True})).result()
+        assert whole.text == "whole" and len(rt.steps) == num_steps and len(rt.finished) == 1
+        assert eng.blocks.num_free == rt.num_kv_blocks
+        assert eng.counters.snapshot()["completed"] == 2
     finally:
         eng.shutdown()

@@ -30,13 +30,11 @@ import numpy as np
 import torch
 
 from ifb.params import InvalidRequest
-from ifb.runtime import ScheduledSeq
+from ifb.runtime import Seat
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
-__all__ = ["GUIDED_GRAMMAR", "GuidedDecoder", "GuidedGrammar", "GuidedStats", "grammar_for"]
+__all__ = ["GuidedDecoder", "GuidedGrammar", "GuidedStats", "grammar_for"]
 
-#: the ``Prepared.extras`` key that carries a request's compiled grammar
-GUIDED_GRAMMAR = "guided_grammar"
 
 #: JSON is generated in one fixed layout (``{"a": 1, "b": [2, 3]}``): free whitespace lets a
 #: small model wander into endless blank lines instead of closing the object
@@ -47,7 +45,7 @@ _KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 
 @attrs.frozen
 class GuidedGrammar:
-    """A validated grammar, ready to build matchers from (it crosses into ``Prepared.extras``)."""
+    """A validated grammar, ready to build matchers from (it crosses in the runtime's prepared state)."""
 
     kind: str  # json_object | json_schema | regex | grammar
     grammar: str  # llguidance's serialized grammar
@@ -185,11 +183,12 @@ class GuidedDecoder:
 
     # ---- per step (the executing thread) ----
     @staticmethod
-    def applies_to(seq: ScheduledSeq) -> bool:
-        """Whether ``seq`` decodes under a grammar (its request was compiled one at admission)."""
-        return GUIDED_GRAMMAR in seq.extras
+    def applies_to(seat: Seat) -> bool:
+        """Whether ``seat``'s request decodes under a grammar (its prepared state's ``grammar``, compiled at
+        admission)."""
+        return getattr(seat.state, "grammar", None) is not None
 
-    def mask_logits(self, logits: torch.Tensor, rows: Sequence[tuple[int, ScheduledSeq]]) -> None:
+    def mask_logits(self, logits: torch.Tensor, rows: Sequence[tuple[int, Seat]]) -> None:
         """Set to -inf, in place, the logits each guided row's grammar forbids next.
 
         ``rows`` pairs a row of ``logits`` with the sequence it samples for.
@@ -217,7 +216,7 @@ class GuidedDecoder:
                 logits[row].masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
         self.stats.mask_ns += time.perf_counter_ns() - start
 
-    def advance(self, rows: Sequence[tuple[ScheduledSeq, int]]) -> None:
+    def advance(self, rows: Sequence[tuple[Seat, int]]) -> None:
         """Feed each guided sequence's sampled token to its matcher."""
         start = time.perf_counter_ns()
         for seq, token_id in rows:
@@ -233,10 +232,10 @@ class GuidedDecoder:
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
 
-    def _matcher_for(self, seq: ScheduledSeq) -> _Matcher:
+    def _matcher_for(self, seq: Seat) -> _Matcher:
         state = self.matchers.get(seq.request_id)
         if state is None:
-            grammar: GuidedGrammar = seq.extras[GUIDED_GRAMMAR]
+            grammar: GuidedGrammar = seq.state.grammar
             matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar.grammar, log_level=0)
             if matcher.is_error():
                 raise RuntimeError(f"guided decoding could not start: {matcher.get_error()}")

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from ifb.params import SamplingParams
-from ifb.runtime import ScheduledSeq, SeqOutput, StepOutput
+from ifb.runtime import ScheduledSeq, Seat, SeqOutput, StepOutput
 
 if TYPE_CHECKING:
     from ifb_plugins.common.decoding.guided import GuidedDecoder
@@ -284,13 +284,14 @@ def sample(
 
 def sample_step(
     seqs: Sequence[ScheduledSeq],
+    seats: Sequence[Seat],
     hidden: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     *,
     argmax: Callable[[torch.Tensor], list[int]] | None = None,
     guided: GuidedDecoder | None = None,
 ) -> StepOutput:
-    """A stepped runtime's output for ``seqs``, from the step's hidden states ``[T, H]``.
+    """A stepped runtime's output for ``seqs`` (each with its ``seats`` record), from the step's hidden states ``[T, H]``.
 
     The hidden state of each sampling sequence's last token (the step's tokens are
     concatenated in ``seqs`` order) goes through ``compute_logits`` and :func:`sample`;
@@ -306,7 +307,7 @@ def sample_step(
     results: dict[int, SeqOutput] = {}
     if rows:
         logits = compute_logits(hidden[[t for _, t in rows]])  # [N, V]
-        picked = [seqs[i] for i, _ in rows]
+        picked = [seats[i] for i, _ in rows]
         constrained = [] if guided is None else [(j, s) for j, s in enumerate(picked) if guided.applies_to(s)]
         if constrained:
             guided.mask_logits(logits, constrained)

@@ -1,9 +1,10 @@
 """The legacy system-prompt KV capture, served on the blocking path.
 
 A request with ``save_system_prompt_kv_cache`` has its system prompt prefilled
-once into pinned blocks; later requests on the blocking path whose prompt
-starts with a captured prefix lease those blocks instead of recomputing them.
-Under in-flight batching the option is rejected: the context cache covers it.
+once into pinned blocks when it takes its seat (``match``, before its first
+step); it and later requests on the blocking path whose prompt starts with a
+captured prefix lease those blocks instead of recomputing them. Under
+in-flight batching the option is rejected: the context cache covers it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class SystemPromptCache:
 
     # -- PrefixMatcher --
     def match(self, request: Request) -> tuple[list[int], int]:
+        state = request.state
+        if state is not None and state.is_capturing_system_prompt:
+            self.capture(request.spec, request.prompt_token_ids)
         prompt = request.prompt_token_ids
         best: tuple[int, ...] = ()
         for prefix in self.captured:

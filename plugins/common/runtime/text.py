@@ -1,28 +1,31 @@
 """The text runtime: the model driven one scheduled step at a time.
 
 ``execute`` packs a step's ragged prefill chunks and decode tokens into one
-forward over the paged KV cache, then samples per sequence. On the blocking
-path (``plan_alone``) it adds what in-flight batching rejects: per-request
-LoRA adapters and the legacy system-prompt KV capture (n > 1 the blocking
-engine serves itself).
+forward over the paged KV cache, then samples per sequence. What ``prepare``
+decides for a request (its grammar, LoRA adapter, media, system-prompt capture)
+is a typed ``TextRequestState``; it reaches the runtime once, when the request
+takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. On the
+blocking path, where requests run one at a time, the runtime serves what
+in-flight batching rejects: a request's LoRA adapter is active for its steps,
+and its system prompt is captured by ``blocking_prefix`` (n > 1 the engine fans
+out itself).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
+import attrs
 import torch
 
-from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.kv import BlockManager
-from ifb.params import InvalidRequest, RequestSpec
-from ifb.request import Request
-from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, StepOutput
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams
+from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, StepOutput
 from ifb_plugins.common.layers.attention import build_attn_metadata
-from ifb_plugins.common.decoding.guided import GUIDED_GRAMMAR, GuidedDecoder
+from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
 from ifb_plugins.common.runtime.lora import LoraSet
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
@@ -77,6 +80,28 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
+@attrs.frozen
+class MediaState:
+    """A prompt's media as ``media.prompt.expand_media`` placed it: embeddings and, for M-RoPE, positions."""
+
+    #: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order
+    embeds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = attrs.field(eq=False, repr=False)
+    #: the prompt's ``mrope.MropePositions`` (M-RoPE decoders), else None
+    positions: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class TextRequestState:
+    """What ``TextRuntime.prepare`` decided for one request (``Prepared.state``)."""
+
+    grammar: GuidedGrammar | None = None
+    #: the LoRA adapter active for the request's steps (the blocking path)
+    lora: str | None = None
+    #: ``save_system_prompt_kv_cache``: capture the system prompt before the request's first step
+    is_capturing_system_prompt: bool = False
+    media: MediaState | None = None
+
+
 class TextRuntime:
     def __init__(self, *, model: TextModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
                  config: DeployConfig, model_name: str, lora: LoraSet | None = None,
@@ -101,12 +126,9 @@ class TextRuntime:
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
-        #: the blocking path's block bookkeeping over ``kv_caches``: it persists so that captured system
-        #: prompts (``system_prompts``) survive requests; a subclass that runs its own forward on the
-        #: blocking path (the Omni Thinker's states) takes its blocks here
-        self.blocking_blocks = BlockManager(self.num_kv_blocks, KV_BLOCK_SIZE)
-        self.system_prompts = SystemPromptCache(self.blocking_blocks, self)
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
+        #: each seated request's history, block table and prepared state, kept from the steps' diffs
+        self.seats = SeatTable()
         #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
         #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
         #: to gain from OpenMP, whose workers, woken from a non-main thread, only add latency.
@@ -117,12 +139,14 @@ class TextRuntime:
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
         ids = prompt_token_ids(self.tokenizer, self.vocab_size, spec)
-        lora = spec.extras.get("lora")
+        lora = spec.extras.get("lora") or None
         if lora and lora not in self.lora.adapters:
             known = ", ".join(sorted(self.lora.adapters)) or "none registered"
             raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        grammar = self.guided.compile(spec.extras.get("response_format"))
-        return Prepared(tuple(ids), {GUIDED_GRAMMAR: grammar} if grammar is not None else {})
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format")), lora=lora,
+                                 is_capturing_system_prompt=bool(spec.extras.get("save_system_prompt_kv_cache")))
+        # an adapter changes every layer's KV: the context cache keys its blocks apart
+        return Prepared(tuple(ids), state, kv_salt=f"lora:{lora}" if lora else None)
 
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, messages)
@@ -142,15 +166,26 @@ class TextRuntime:
     @torch.inference_mode()
     def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
+        seats = self.seats.apply(step)
+        adapters = {seat.state.lora for seat in seats if seat.state is not None}
+        if len(adapters) > 1:  # the gate rejects per-request LoRA under in-flight batching
+            raise RuntimeError(f"one step cannot serve several LoRA adapters: {sorted(map(str, adapters))}")
+        with self.lora.active(next(iter(adapters), None)):
+            hidden = self._hidden(step, seats)  # [T, H]
+            return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
+                               guided=self.guided)
+
+    def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
+        """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""
+        seqs = step.seqs
         input_ids = [t for s in seqs for t in s.token_ids]
-        attn = build_attn_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+        attn = build_attn_metadata([(s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
                                    self.kv_block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = self.step_positions(step)
-        hidden = self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, ids))  # [T, H]
-        return sample_step(seqs, hidden, self.model.compute_logits, argmax=self.greedy_argmax, guided=self.guided)
+        pos = self.step_positions(step, seats)
+        return self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, seats, ids))
 
-    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+    def step_positions(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """Rotary positions of the step's tokens: ``[T]``, each token's index in its context.
 
         An M-RoPE runtime overrides this to return ``[3, T]`` ids (``ifb_plugins.common.layers.mrope``).
@@ -158,7 +193,7 @@ class TextRuntime:
         positions = [p for s in step.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
         return torch.tensor(positions, dtype=torch.long, device=self.device)
 
-    def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def step_embeddings(self, step: ScheduledStep, seats: list[Seat], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Input embeddings ``[T, H]`` for the step, or None to embed ``input_ids`` as usual.
 
         Multimodal runtimes override this to splice media embeddings over placeholder tokens.
@@ -166,30 +201,25 @@ class TextRuntime:
         return None
 
     def release(self, request_id: str, seat: int) -> None:
-        # attention state lives in KV blocks, which the engine frees; a guided matcher lives here
+        # attention state lives in KV blocks, which the engine frees; a guided matcher and the seat's record here
         self.guided.release(request_id)
+        self.seats.release(request_id)
 
     # ---- blocking path ----
-    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
-        """The blocking path's plan: the persistent pool and its captured system prompts, the LoRA adapter active.
+    def blocking_prefix(self, blocks: BlockManager) -> SystemPromptCache:
+        """The legacy system-prompt capture over the blocking engine's ``blocks``: a request with
+        ``save_system_prompt_kv_cache`` has its system prompt prefilled (with the base weights) before its
+        first step, and later requests that start with it lease those blocks."""
+        return SystemPromptCache(blocks, self)
 
-        With ``save_system_prompt_kv_cache`` (and ``capture_system_prompt``) the
-        request's system prompt is captured first, with the base weights, for
-        later requests to reuse. A subclass whose prompts cannot be matched by
-        token ids alone passes ``capture_system_prompt=False``.
-        """
-        extras = request.spec.extras
-        if capture_system_prompt and extras.get("save_system_prompt_kv_cache"):
-            self.system_prompts.capture(request.spec, request.prompt_token_ids)
-        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
-                         context=self.lora.active(extras.get("lora")))
-
+    @torch.inference_mode()
     def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
-        """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture)."""
+        """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture), with the base weights."""
         budget = 512
+        seat = Seat("prefix-capture", 0, SamplingParams(), len(token_ids), list(token_ids), list(block_ids),
+                    TextRequestState())
         for start in range(0, len(token_ids), budget):
             chunk = tuple(token_ids[start:start + budget])
-            self.execute(ScheduledStep(step_id=0, seqs=(ScheduledSeq(
-                request_id="prefix-capture", seat=0, token_ids=chunk, start_pos=start,
-                block_ids=tuple(block_ids), is_sampling=False, params=None, num_prompt_tokens=len(token_ids),
-                all_token_ids=tuple(token_ids)),)))
+            self._hidden(ScheduledStep(step_id=0, seqs=(ScheduledSeq(
+                request_id=seat.request_id, seat=0, token_ids=chunk, start_pos=start, new_block_ids=(),
+                is_sampling=False),)), [seat])

@@ -93,12 +93,12 @@ def test_different_salt_never_shares_a_block():
     s, cache, _ = cached_scheduler(rt)
     prompt = tuple(range(1, 13))
     a = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
-    a.extras["kv_salt"] = "image-1"
+    a.kv_salt = "image-1"
     s.add(a)
     steps = []
     drain(s, rt, steps)
     b = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
-    b.extras["kv_salt"] = "image-2"
+    b.kv_salt = "image-2"
     s.add(b)
     step = s.schedule()
     assert step.seqs[0].start_pos == 0

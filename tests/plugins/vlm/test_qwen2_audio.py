@@ -113,5 +113,5 @@ def test_images_are_refused_and_audio_is_never_pruned(checkpoint):
         with pytest.raises(InvalidRequest, match="takes no image input"):
             llm.engine.submit(chat([image_part(png_bytes(0))]))
         prepared = llm.deployment.runtime.prepare(chat(openai_content(PROMPTS["one clip"])))
-        (rows, _), = prepared.extras["media_embeds"]
+        (rows, _), = prepared.state.media.embeds
         assert len(rows) == 10  # 0.4 s: 40 frames, 20 positions, pooled to 10
