@@ -1,11 +1,11 @@
 """The speech plugin: Qwen3-Omni (``omni``) and the standalone Qwen3-TTS model (``tts``).
 
-- ``tts`` (title "AudioOutput output, standalone TTS model"): Qwen3-TTS as Qwen's
+- ``tts`` (title "Speech output, standalone TTS model"): Qwen3-TTS as Qwen's
   ``qwen-tts`` package defines it (talker + code predictor + the 12 Hz speech
   tokenizer's decoder). No request engine exists for it, so
   ``--enable-in-flight-batching`` is refused at start-up; on the default path
   it serves ``/v1/audio/speech``.
-- ``omni`` (title "AudioOutput output, Omni bundle"): declared as the spec has it
+- ``omni`` (title "Speech output, Omni bundle"): declared as the spec has it
   (text-only under the flag: the Thinker served, speech refused per request).
   The Thinker (its text decoder, audio and vision encoders: text, audio and
   image input) is served by the engine; on the default path the Talker and
@@ -28,8 +28,8 @@ from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
-OMNI_TITLE = "AudioOutput output, Omni bundle"
-TTS_TITLE = "AudioOutput output, standalone TTS model"
+OMNI_TITLE = "Speech output, Omni bundle"
+TTS_TITLE = "Speech output, standalone TTS model"
 
 #: the Omni bundle's endpoints: speech is served on the blocking path and refused per request under the flag
 OMNI_ENDPOINTS = {**TEXT_ENDPOINTS, "audio.speech": EndpointSupport.REFUSED_UNDER_IFB}
@@ -47,7 +47,7 @@ def omni_options() -> dict[str, OptionSupport]:
                                "run at admission and media requests join the running batch.")
     options["generate_audio"] = OptionSupport(
         Support.REJECTED,
-        reason="AudioOutput is assembled after the text is complete by the Talker and code-to-waveform engines, "
+        reason="Speech is assembled after the text is complete by the Talker and code-to-waveform engines, "
                "which the stepped loop does not drive and which are not loaded under in-flight batching.",
         alternative=BLOCKING)
     return options

@@ -7,7 +7,7 @@ holds ``voice`` (a speaker of a CustomVoice model), ``instructions``,
 
 Response side: with ``stream`` every decoded span arrives as a non-final
 ``RequestOutput`` with ``audio_chunk`` (bytes of the container, in order); the
-final output carries ``speech`` (an ``ifb.outputs.AudioOutput``, see
+final output carries ``audio`` (an ``ifb.outputs.AudioOutput``, see
 docs/plugins/speech.md), whose ``data`` is the whole file when not streaming
 and empty when it was streamed.
 """
