@@ -36,6 +36,8 @@ class RequestOutput:
     error: str | None = None
     index: int = 0  # which sequence of the request (n > 1 on the blocking path)
     extras: dict = attrs.field(factory=dict, hash=False)  # e.g. generated audio
+    #: the planned trajectory (vision-language-action deployments): one action vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 @attrs.frozen
@@ -51,6 +53,8 @@ class FinalOutput:
     logprobs: tuple[TokenLogprob, ...]
     index: int = 0
     extras: dict = attrs.field(factory=dict, hash=False)
+    #: the planned trajectory (vision-language-action deployments): one action vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -179,8 +183,10 @@ class RequestHandle:
 
 
 def collect(outputs) -> FinalOutput:
-    text, ids, logprobs, last = [], [], [], None
+    text, ids, logprobs, last, trajectory = [], [], [], None, None
     for out in outputs:
+        if out.output_trajectory is not None:
+            trajectory = out.output_trajectory
         text.append(out.text)
         ids.extend(out.token_ids)
         logprobs.extend(out.logprobs)
@@ -193,5 +199,5 @@ def collect(outputs) -> FinalOutput:
         request_id=last.request_id, text="".join(text), token_ids=tuple(ids),
         finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens, logprobs=tuple(logprobs), index=last.index,
-        extras=last.extras,
+        extras=last.extras, output_trajectory=trajectory,
     )

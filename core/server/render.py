@@ -21,6 +21,7 @@ class Sequence:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     extras: dict = attrs.field(factory=dict)
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 @attrs.define
@@ -41,6 +42,8 @@ class Collected:
             seq.finish_reason = out.finish_reason
         if out.extras:
             seq.extras.update(out.extras)
+        if out.output_trajectory is not None:
+            seq.output_trajectory = out.output_trajectory
         self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
         return seq
 
@@ -53,6 +56,10 @@ class Collected:
 def _finite(logprob: float) -> float:
     # JSON has no -inf; a token the sampler ruled out gets a very low finite value instead
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _trajectory(points: tuple[tuple[float, ...], ...]) -> list[list[float]]:
+    return [list(point) for point in points]
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -198,6 +205,8 @@ class ChatRenderer(Renderer):
         delta: dict[str, Any] = {"content": text} if text or not out.finish_reason else {}
         if out.finish_reason and "audio" in seq.extras:
             delta["audio"] = seq.extras["audio"]
+        if out.finish_reason and seq.output_trajectory is not None:
+            delta["output_trajectory"] = _trajectory(seq.output_trajectory)
         if chunks and text:  # content first, then the calls, then the finish
             return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
                     *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
@@ -223,6 +232,8 @@ class ChatRenderer(Renderer):
                     reason = "tool_calls" if reason == "stop" else reason
             if "audio" in seq.extras:
                 message["audio"] = seq.extras["audio"]
+            if seq.output_trajectory is not None:
+                message["output_trajectory"] = _trajectory(seq.output_trajectory)
             choices.append({
                 "index": seq.index, "message": message,
                 "logprobs": chat_logprobs(seq.logprobs) if self.wants_logprobs else None,
