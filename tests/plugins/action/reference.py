@@ -1,7 +1,8 @@
 """The reference side of the pi0 tests: a tiny random pi0 built and saved by transformers, and what
 transformers' own processor and ``sample_actions`` compute on it.
 
-Run as a script (``python -m tests.plugins.action.reference build DIR`` or ``... run DIR CASES OUT``)
+Run as a script (``python -m tests.plugins.action.reference build DIR``, ``... run DIR CASES OUT`` or both at once,
+``... build-and-run DIR CASES OUT``)
 in a process of its own: PI0's image processor is transformers' torchvision backend, and PyPI's
 torchvision wheels are CUDA builds whose C extension does not load with the CPU build of torch. The
 image transforms PI0 uses are plain torch ops; only the registration of two fake kernels
@@ -32,6 +33,8 @@ STATE_STD = [1.5, 0.5, 2.0, 1.0]
 
 
 def import_torchvision() -> None:
+    if "torchvision" in sys.modules:
+        return
     if not TORCHVISION_DIR.is_dir():
         raise RuntimeError(f"torchvision for the pi0 reference is not installed at {TORCHVISION_DIR}: "
                            "run scripts/setup")
@@ -141,6 +144,9 @@ if __name__ == "__main__":
     if command == "build":
         build(Path(args[0]))
     elif command == "run":
+        run(Path(args[0]), Path(args[1]), Path(args[2]))
+    elif command == "build-and-run":  # one process: the imports cost more than either step
+        build(Path(args[0]))
         run(Path(args[0]), Path(args[1]), Path(args[2]))
     else:
         raise SystemExit(f"unknown command {command!r} (build or run)")
