@@ -24,6 +24,9 @@ NOT_TEXT = "pi0 answers with a planned trajectory; it generates no text."
 
 def action_options() -> dict[str, OptionSupport]:
     return {
+        "plain_text": OptionSupport(
+            Support.SERVED, reason="pi0 generates no text: its answer is the plan (streamed as one last chunk); every "
+                                   "request carries a trajectory (the pastTrajectory row)."),
         "past_trajectory": OptionSupport(Support.REJECTED, reason=TRAJECTORY_BLOCKING_ONLY, alternative=BLOCKING),
         "media_under_pruner": OptionSupport(
             Support.SERVED, reason="No visual-token pruner: the camera images are part of every request's prefix."),
