@@ -73,7 +73,7 @@ class LLM:
              **extras: Any) -> FinalOutput:
         """Answer one conversation (OpenAI-style messages); an exception while waiting cancels it.
 
-        ``trajectory`` (vision-language-action deployments): the past trajectory, points oldest first (one
+        ``trajectory`` (trajectory-planning deployments): the past trajectory, points oldest first (one
         point: the current state); the result's ``output_trajectory`` is the plan. ``noise_seed`` fixes
         the plan's initial noise (the plugin's docs say how it is drawn).
         """
@@ -91,11 +91,11 @@ class LLM:
 
     def plan(self, task: str | list[dict], trajectory: Sequence[Sequence[float]], *,
              images: Sequence[str] = (), noise_seed: int | None = None) -> list[list[float]]:
-        """The trajectory a vision-language-action model plans for ``task`` from ``trajectory``.
+        """The trajectory a trajectory-planning model plans for ``task`` from ``trajectory``.
 
         ``task`` is the instruction (or OpenAI-style messages); ``images`` are image URLs (``data:`` URLs
         or, where the deployment allows, local files), one per camera, in the model's camera order.
-        Returns the planned action vectors, one per row (``chat(..., trajectory=...)`` gives the whole result).
+        Returns the planned steps, one vector per row (``chat(..., trajectory=...)`` gives the whole result).
         """
         if isinstance(task, str):
             parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]

@@ -14,8 +14,8 @@ from ifb.params import RequestSpec
 
 BLOCKING = "Use the blocking path (serve without --enable-in-flight-batching)."
 
-#: why a deployment without an action expert refuses a trajectory on every path
-NO_ACTION_EXPERT = "This model has no action expert: it plans no trajectories."
+#: why a deployment that plans no trajectories refuses one on every path
+NO_TRAJECTORY_PLANNER = "This model has no trajectory planner: it plans no trajectories."
 
 #: the spec's reason for rejecting trajectory execution under in-flight batching (a deployment that
 #: serves it on the blocking path only declares it)
@@ -93,8 +93,8 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
         uses=lambda spec: spec.past_trajectory is not None, order=60,
         param=lambda spec: spec.past_trajectory.field if spec.past_trajectory is not None else None,
         default=OptionSupport(
-            Support.NOT_APPLICABLE, reason=NO_ACTION_EXPERT, alternative="Serve a vision-language-action model "
-            "(--plugin action) to plan trajectories.")),
+            Support.NOT_APPLICABLE, reason=NO_TRAJECTORY_PLANNER,
+            alternative="Serve a model whose plugin plans trajectories (ifb matrix lists them).")),
     RequestOption(
         name="lora", title="Per-request LoRA", uses=_extra("lora"), order=70,
         default=OptionSupport(

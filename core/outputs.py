@@ -36,7 +36,7 @@ class RequestOutput:
     error: str | None = None
     index: int = 0  # which sequence of the request (n > 1 on the blocking path)
     extras: dict = attrs.field(factory=dict, hash=False)  # e.g. generated audio
-    #: the planned trajectory (vision-language-action deployments): one action vector per row
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
     output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
@@ -53,7 +53,7 @@ class FinalOutput:
     logprobs: tuple[TokenLogprob, ...]
     index: int = 0
     extras: dict = attrs.field(factory=dict, hash=False)
-    #: the planned trajectory (vision-language-action deployments): one action vector per row
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
     output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 

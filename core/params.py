@@ -72,7 +72,7 @@ class SamplingParams:
 
 @attrs.frozen
 class Trajectory:
-    """The past trajectory (or robot state) a vision-language-action request carries, and how to plan from it.
+    """The past trajectory (or robot state) a trajectory-planning request carries, and how to plan from it.
 
     ``points`` are the past states, oldest first, each a vector of the same length; one point is the
     current state. ``noise_seed`` fixes the planner's initial noise (the plugin documents exactly how it
@@ -138,7 +138,7 @@ class RequestSpec:
     stream: bool = False
     extras: dict[str, Any] = attrs.field(factory=dict, hash=False)
     request_id: str | None = None
-    #: the past trajectory / state to plan from (vision-language-action deployments), or None
+    #: the past trajectory / state to plan from (trajectory-planning deployments), or None
     past_trajectory: Trajectory | None = None
 
     def validate(self) -> None:

@@ -105,5 +105,5 @@ def test_a_trajectory_to_a_text_model_is_refused_naming_the_field(in_flight):
             [{"type": "text", "text": "hi"}, {"type": "trajectory", "trajectory": [[0.0, 1.0]]}]))
         assert reply.status_code == 400
         error = reply.json()["error"]
-        assert "no action expert" in error["message"] and error["param"] == "messages[0].content[1].trajectory"
+        assert "no trajectory planner" in error["message"] and error["param"] == "messages[0].content[1].trajectory"
         assert httpx.post(f"{url}/v1/chat/completions", timeout=30, json=_body("hi")).status_code == 200
