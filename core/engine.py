@@ -39,7 +39,11 @@ log = logging.getLogger("ifb.engine")
 
 
 class RequestRejected(ValueError):
-    """submit() refuses a request option this deployment cannot serve (HTTP 400)."""
+    """submit() refuses a request option this deployment cannot serve (HTTP 400); ``param``: the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineFull(RuntimeError):
@@ -63,14 +67,16 @@ def check_options(options: list[RequestOption], support: dict[str, OptionSupport
         if opt.relative_to_batch or not opt.uses(spec):
             continue
         declared = support[opt.name]
+        param = opt.param(spec) if opt.param is not None else None
+        alt = f" {declared.alternative}" if declared.alternative else ""
         if declared.support is Support.NOT_APPLICABLE:
-            raise RequestRejected(f"{opt.title} is not supported by this deployment: {declared.reason}")
+            raise RequestRejected(f"{opt.title} is not supported by this deployment: {declared.reason}{alt}",
+                                  param=param)
         if not in_flight:
             continue
         if declared.support is Support.REJECTED:
-            alt = f" {declared.alternative}" if declared.alternative else ""
             raise RequestRejected(f"{opt.title} is not supported under in-flight batching: "
-                                  f"{declared.reason}{alt}")
+                                  f"{declared.reason}{alt}", param=param)
         if declared.support is Support.RUNS_ALONE:
             founder, alone = declared, True
         elif declared.support is Support.FOUNDER_ONLY and founder is None:

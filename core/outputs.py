@@ -60,6 +60,8 @@ class RequestOutput:
     audio_chunk: bytes = attrs.field(default=b"", repr=False)
     #: on the final output of a request that asked for audio output: the audio
     audio: AudioOutput | None = attrs.field(default=None, repr=False)
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 @attrs.frozen
@@ -75,6 +77,8 @@ class FinalOutput:
     logprobs: tuple[TokenLogprob, ...]
     index: int = 0
     audio: AudioOutput | None = attrs.field(default=None, repr=False)
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -203,8 +207,10 @@ class RequestHandle:
 
 
 def collect(outputs) -> FinalOutput:
-    text, ids, logprobs, last = [], [], [], None
+    text, ids, logprobs, last, trajectory = [], [], [], None, None
     for out in outputs:
+        if out.output_trajectory is not None:
+            trajectory = out.output_trajectory
         text.append(out.text)
         ids.extend(out.token_ids)
         logprobs.extend(out.logprobs)
@@ -217,5 +223,5 @@ def collect(outputs) -> FinalOutput:
         request_id=last.request_id, text="".join(text), token_ids=tuple(ids),
         finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens, logprobs=tuple(logprobs), index=last.index,
-        audio=last.audio,
+        audio=last.audio, output_trajectory=trajectory,
     )

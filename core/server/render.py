@@ -25,6 +25,7 @@ class Sequence:
     num_output_tokens: int = 0
     #: OpenAI's ``message.audio`` when the answer was spoken
     audio: dict | None = None
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 @attrs.define
@@ -45,6 +46,8 @@ class Collected:
             seq.finish_reason = out.finish_reason
         if out.audio is not None:
             seq.audio = chat_audio(out.audio)
+        if out.output_trajectory is not None:
+            seq.output_trajectory = out.output_trajectory
         self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
         return seq
 
@@ -67,6 +70,10 @@ def chat_audio(audio: AudioOutput) -> dict:
 def _finite(logprob: float) -> float:
     # JSON has no -inf; a token the sampler ruled out gets a very low finite value instead
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _trajectory(points: tuple[tuple[float, ...], ...]) -> list[list[float]]:
+    return [list(point) for point in points]
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -212,6 +219,8 @@ class ChatRenderer(Renderer):
         delta: dict[str, Any] = {"content": text} if text or not out.finish_reason else {}
         if out.finish_reason and seq.audio is not None:
             delta["audio"] = seq.audio
+        if out.finish_reason and seq.output_trajectory is not None:
+            delta["output_trajectory"] = _trajectory(seq.output_trajectory)
         if chunks and text:  # content first, then the calls, then the finish
             return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
                     *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
@@ -237,6 +246,8 @@ class ChatRenderer(Renderer):
                     reason = "tool_calls" if reason == "stop" else reason
             if seq.audio is not None:
                 message["audio"] = seq.audio
+            if seq.output_trajectory is not None:
+                message["output_trajectory"] = _trajectory(seq.output_trajectory)
             choices.append({
                 "index": seq.index, "message": message,
                 "logprobs": chat_logprobs(seq.logprobs) if self.wants_logprobs else None,

@@ -13,7 +13,7 @@ from ifb.gate import UnsupportedDeployment
 from ifb.options import BUILTIN_OPTIONS
 from ifb.plugins import default_host
 from ifb.outputs import RequestFailed
-from ifb.params import InvalidRequest, RequestSpec, SamplingParams
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
 
 from tests.core.fakes import FakeRuntime, next_token, text_caps
 
@@ -132,7 +132,6 @@ def test_async_consumers_get_each_step_in_one_loop_wake_up():
     ({}, {"n": 2}, "More than one sequence"),
     ({"save_system_prompt_kv_cache": True}, {}, "--enable-context-reuse"),
     ({"generate_audio": True}, {}, "blocking path"),
-    ({"past_trajectory": [1]}, {}, "blocking path"),
 ])
 def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params, word):
     # the installed plugins' options too (the capture and speech output are the built-in plugins')
@@ -140,6 +139,20 @@ def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params,
     try:
         with pytest.raises(RequestRejected, match=word):
             eng.submit(RequestSpec(prompt="hi", params=SamplingParams(**params), extras=extras))
+        assert eng.counters.snapshot()["submitted"] == 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_trajectory_to_a_model_that_plans_none_is_refused_on_either_path(in_flight):
+    options = default_host().request_options()
+    eng = engine(options=options) if in_flight else BlockingEngine(FakeRuntime(), DeployConfig(), options)
+    try:
+        trajectory = Trajectory.of([[0.5, 1.0]], field="messages[0].content[1].trajectory")
+        with pytest.raises(RequestRejected, match="no trajectory planner") as refused:
+            eng.submit(RequestSpec(prompt="hi", past_trajectory=trajectory))
+        assert refused.value.param == "messages[0].content[1].trajectory"
         assert eng.counters.snapshot()["submitted"] == 0
     finally:
         eng.shutdown()
