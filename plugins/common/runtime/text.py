@@ -29,7 +29,7 @@ from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
 from ifb_plugins.common.runtime.lora import LoraSet
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
-from ifb_plugins.common.decoding.sampling import sample_step
+from ifb_plugins.common.decoding.sampling import sample_step, sampled_rows
 from ifb_plugins.common.runtime.syscache import SystemPromptCache
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -80,6 +80,23 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
+def max_model_len_for(model: TextModel, config: DeployConfig) -> int:
+    """The longest context a runtime over ``model`` serves: the model's, ``max_model_len`` if smaller."""
+    limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+    length = min(model.config.max_position_embeddings, limit)
+    if model.config.sliding_window:
+        # attention here is full-context: within the window it equals sliding-window attention,
+        # beyond it it would not, so the context stops at the window
+        length = min(length, model.config.sliding_window)
+    return length
+
+
+def kv_bytes_per_token(model: TextModel, kv_dtype: torch.dtype) -> int:
+    """KV bytes one context token takes in ``model``'s cache (a sharded model: this rank's KV heads)."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
 @attrs.frozen
 class MediaState:
     """A prompt's media as ``media.prompt.expand_media`` placed it: embeddings and, for M-RoPE, positions."""
@@ -111,17 +128,10 @@ class TextRuntime:
         self.caps = caps
         self.model_name = model_name
         self.lora = lora or LoraSet(model, {})
-        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
-        self.max_model_len = min(model.config.max_position_embeddings, limit)
-        if model.config.sliding_window:
-            # attention here is full-context: within the window it equals sliding-window attention,
-            # beyond it it would not, so the context stops at the window
-            self.max_model_len = min(self.max_model_len, model.config.sliding_window)
+        self.max_model_len = max_model_len_for(model, config)
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
-        c = model.config
-        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
-        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
+        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model, kv_dtype), self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
@@ -174,6 +184,16 @@ class TextRuntime:
             hidden = self._hidden(step, seats)  # [T, H]
             return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
                                guided=self.guided)
+
+    @torch.inference_mode()
+    def execute_shard(self, step: ScheduledStep) -> None:
+        """A tensor-parallel rank other than 0: this rank's shard of the step's forward (its KV heads'
+        share written to its cache), and its share of the logits rank 0 samples from (``sample_step``'s rows)."""
+        seats = self.seats.apply(step)
+        hidden = self._hidden(step, seats)
+        rows = [t for _, t in sampled_rows(step.seqs)]
+        if rows:
+            self.model.compute_logits(hidden[rows])
 
     def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""
