@@ -24,11 +24,12 @@ log = logging.getLogger("ifb.parallel")
 class DriverRuntime:
     """Rank 0's face of a multi-rank runtime: the engine's ``Runtime``, wrapping rank 0's shard.
 
-    ``closers`` run at ``close`` after the ranks were told to stop (joining spawned processes).
+    ``closers`` run at ``close`` after the ranks were told to stop (joining spawned processes), each
+    given the seconds it may wait for them (short when a rank was lost: the others are ending too).
     """
 
     def __init__(self, inner: Any, ctx: ParallelContext, *, timeout: float,
-                 closers: list[Callable[[], None]] | None = None):
+                 closers: list[Callable[[float], None]] | None = None):
         self.inner = inner
         self.ctx = ctx
         self.timeout = timeout
@@ -108,8 +109,9 @@ class DriverRuntime:
         from ifb.parallel.group import leave_ranks
 
         leave_ranks()
+        grace = 2.0 if self._lost is not None else 10.0
         for closer in self.closers:
-            closer()
+            closer(grace)
 
 
 def serve_shard(runtime: Any, ctx: ParallelContext) -> None:
