@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import cattrs
 import pytest
 import torch.multiprocessing as mp
@@ -65,3 +66,16 @@ def test_ranks_with_different_model_files_refuse_to_start(tmp_path):
     assert all(p.exitcode == 0 for p in procs)
     for rank in (0, 1):
         assert "rank(s) 1 started with a different model file" in got[rank]
+
+
+def test_a_runtime_that_does_not_shard_is_refused_on_every_path():
+    from ifb.capabilities import DeploymentCaps
+    from ifb.gate import UnsupportedDeployment, check_deployment
+
+    caps = DeploymentCaps(stepped_execution=True, seated_admission=True, max_batch_size=4, num_ranks=2,
+                          tensor_parallel_note="its state is not sharded")
+    for flag in (False, True):
+        with pytest.raises(UnsupportedDeployment, match="--tensor-parallel-size 2: .*2 ranks.*its state is not sharded"):
+            check_deployment(caps, DeployConfig(num_ranks=2, enable_in_flight_batching=flag))
+    assert check_deployment(attrs.evolve(caps, supports_tensor_parallel=True),
+                            DeployConfig(num_ranks=2, enable_in_flight_batching=True)) is None
