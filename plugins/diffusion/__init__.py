@@ -4,10 +4,11 @@
 (sliding and full attention, bidirectional inside a canvas, two RoPE variants,
 soft-capped logits, a dense MLP beside routed experts in every layer) from a
 directory transformers' ``save_pretrained`` wrote, and the reference's
-block-diffusion sampler. A request is not a sequence of token steps: each block
-is denoised over many forwards and finished whole, so the engine cannot seat a
-request into a running batch mid-request; ``--enable-in-flight-batching`` is
-refused at start-up and the deployment serves one request at a time.
+block-diffusion sampler. The spec keeps a diffusion backbone on the blocking
+path ("cannot reseat mid-request"); here each engine step is one denoising
+step of every resident, their canvases sharing one forward, so a request joins
+at a step boundary, leaves when its last block is done, and is served under
+in-flight batching (its answer the same as alone).
 
 See docs/plugins/diffusion.md.
 """
@@ -18,12 +19,9 @@ import click
 
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, DeploySetting, OptionSupport, Support
-from ifb_plugins.common.caps import TEXT_ENDPOINTS
+from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS
 
 TITLE = "Diffusion backbone"
-#: why the stepped loop cannot drive it (the gate shows it at start-up; the matrix row too)
-NOTE = ("cannot reseat mid-request: a block-diffusion request denoises each block over many forwards and "
-        "finishes it whole, which the engine's token steps do not drive")
 
 #: the sampler settings a deployment may override (else the checkpoint's generation_config.json, else the
 #: reference's defaults); each an ``ifb serve --diffusion-*`` flag and an ``LLM(diffusion_*=...)`` keyword
@@ -51,14 +49,16 @@ SAMPLER_FIELDS = {
 
 
 def diffusion_options() -> dict[str, OptionSupport]:
-    """What the block-diffusion runtime does with each request option (on its only path, the blocking one)."""
+    """What the block-diffusion runtime does with each request option, on either path."""
     no_grammar = "The block-diffusion sampler accepts tokens by entropy, with no grammar matcher."
     return {
+        "differing_sampling": OptionSupport(
+            Support.SERVED, reason="Each request has its own sampler, temperature and random numbers."),
+        "lora": OptionSupport(Support.NOT_APPLICABLE, reason="No LoRA adapters are built for DiffusionGemma."),
         "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason=no_grammar),
         "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only."),
         "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason="Text output only."),
         "past_trajectory": OptionSupport(Support.NOT_APPLICABLE, reason="No trajectory execution is built."),
-        "lora": OptionSupport(Support.NOT_APPLICABLE, reason="No LoRA adapters are built for DiffusionGemma."),
         "save_system_prompt_kv_cache": OptionSupport(
             Support.NOT_APPLICABLE, reason="Each request encodes its own prompt; no capture is built."),
         "n_sequences": OptionSupport(Support.NOT_APPLICABLE, reason="One sequence per request."),
@@ -66,9 +66,11 @@ def diffusion_options() -> dict[str, OptionSupport]:
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
+    # batch invariance: tests/plugins/diffusion/test_batching.py (staggered joins, answers equal to alone)
     return DeploymentCaps(
-        stepped_execution=False, seated_admission=False, max_batch_size=1, num_ranks=config.num_ranks,
-        options=diffusion_options(), endpoints=dict(TEXT_ENDPOINTS), notes=NOTE, supports_prefix_reuse=False,
+        stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH, num_ranks=config.num_ranks,
+        batch_invariant_verified=True, options=diffusion_options(), endpoints=dict(TEXT_ENDPOINTS),
+        supports_prefix_reuse=False,
         prefix_reuse_note="a request's prompt KV is encoded for it alone; no prefix reuse is built")
 
 

@@ -1,26 +1,24 @@
-"""The DiffusionGemma runtime on the blocking path: one request per ``handle_request``.
+"""The DiffusionGemma runtime: block-diffusion requests as stepped, seated residents.
 
-A request generates ``ceil(max_tokens / canvas_length)`` blocks at most and
-stops at the block holding an end-of-sequence token (or a stop token or
-string); its answer is cut there and at ``max_tokens``. Each finished block
-is streamed as one output. ``params.seed`` seeds the request's sampler;
-``params.temperature`` scales the checkpoint's temperature schedule (1: as it
-is; 0: its limit, the argmax).
+Each engine step is one denoising step of every sampling resident, all in one
+forward (``Denoiser``). A resident whose block is still denoising returns no
+token; one whose block finished returns the whole block, which the scheduler
+appends and streams as one output, stops at an end token, a stop token or
+string, or ``max_tokens``, and schedules back as tokens to encode, which ride
+along with the next block's first step. A request joins at any step boundary
+and leaves when its last block is done. ``params.seed`` seeds the request's
+own sampler; ``params.temperature`` scales the checkpoint's temperature
+schedule (1: as it is; 0: its limit, the argmax).
 """
 
 from __future__ import annotations
-
-import math
-from typing import Iterator
 
 import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
-from ifb.request import Request
-from ifb.runtime import Prepared
+from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput
 from ifb_plugins.common.prompt import prompt_token_ids
 from ifb_plugins.diffusion.denoiser import Denoiser, DiffusionJob
 from ifb_plugins.diffusion.loader import LoadedDiffusion
@@ -44,36 +42,19 @@ def check_params(params: SamplingParams) -> None:
 
 
 @attrs.define(eq=False)
-class Generation:
-    """One request's blocks so far and why it stops."""
+class Resident:
+    """A seat's request: its generation state and what of its tokens the cache already holds."""
 
+    request_id: str
     job: DiffusionJob
-    max_tokens: int
-    num_blocks_left: int
-    stop_ids: frozenset[int]
-    num_tokens: int = 0
-    finish_reason: str | None = None
-
-    def take(self, block: torch.Tensor) -> list[int]:
-        """The tokens of a finished block that belong to the answer; sets ``finish_reason`` when it ends."""
-        self.num_blocks_left -= 1
-        kept = []
-        for token in block.tolist():
-            if self.num_tokens >= self.max_tokens:
-                self.finish_reason = "length"
-                break
-            kept.append(token)
-            self.num_tokens += 1
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-        if self.finish_reason is None and (self.num_blocks_left == 0 or self.num_tokens >= self.max_tokens):
-            self.finish_reason = "length"
-        return kept
+    #: tokens the scheduler sent that are not encoded yet (prefill chunks before the sampling one)
+    pending: list[int] = attrs.field(factory=list)
+    #: tokens the scheduler has sent so far (a recomputation or a re-sent last token starts below it)
+    num_seen: int = 0
 
 
 class DiffusionRuntime:
-    """A DiffusionGemma model served one request at a time: no stepped execution (no ``execute``)."""
+    """A DiffusionGemma model under the engine: ``execute`` runs one denoising step of a batch of requests."""
 
     def __init__(self, *, loaded: LoadedDiffusion, caps: DeploymentCaps, config: DeployConfig, model_name: str):
         self.config = loaded.config
@@ -86,9 +67,12 @@ class DiffusionRuntime:
         limit = config.options.get("max_model_len")
         self.max_model_len = min(int(limit), self.config.max_position_embeddings) if limit else \
             self.config.max_position_embeddings
-        # a block's KV is kept as it finishes: in the engine's bookkeeping a KV block is one canvas
+        # The KV of finished tokens is each request's own (it grows with it): the engine's block
+        # bookkeeping counts a canvas a block, room for every seat's whole context, so no resident is
+        # ever preempted (a recomputed request could not resume its random numbers).
         self.kv_block_size = self.config.canvas_length
-        self.num_kv_blocks = -(-self.max_model_len // self.kv_block_size)
+        self.num_kv_blocks = -(-self.max_model_len // self.kv_block_size) * max(1, config.max_batch_size)
+        self._seats: dict[int, Resident] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -102,59 +86,49 @@ class DiffusionRuntime:
         return Prepared(tuple(prompt_token_ids(self.tokenizer, self.config.vocab_size, spec)))
 
     def release(self, request_id: str, seat: int) -> None:
-        pass
+        resident = self._seats.get(seat)
+        if resident is not None and resident.request_id == request_id:
+            del self._seats[seat]
 
-    def new_generation(self, request: Request) -> Generation:
-        """A request's sampler (seeded as it asks), empty cache and length limits."""
-        params = request.params
+    def new_sampler(self, params: SamplingParams) -> BlockSampler:
+        """A request's sampler with its own generator, seeded as it asks."""
         generator = torch.Generator()
         if params.seed is not None:
             generator.manual_seed(params.seed)
         else:
             generator.seed()
-        sampler = BlockSampler(self.settings, self.config.vocab_size, self.config.canvas_length, generator,
-                               temperature=params.temperature)
-        # no max_tokens: the checkpoint's max_new_tokens, as the reference's generate
-        max_tokens = min(params.max_tokens or self.settings.max_new_tokens, request.max_tokens)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(request.eos_token_ids)
-        return Generation(job=self.denoiser.new_job(request.prompt_token_ids, sampler), max_tokens=max_tokens,
-                          num_blocks_left=math.ceil(max_tokens / self.config.canvas_length),
-                          stop_ids=frozenset(stop_ids))
+        return BlockSampler(self.settings, self.config.vocab_size, self.config.canvas_length, generator,
+                            temperature=params.temperature)
 
-    def block_output(self, request: Request, generation: Generation, block: torch.Tensor) -> RequestOutput:
-        """A finished block as the request's next output (its last when the generation ends)."""
-        tokens = generation.take(block)
-        eos = None
-        if generation.finish_reason == "stop" and tokens and tokens[-1] in request.eos_token_ids:
-            eos = tokens.pop()  # counted and returned, not detokenized (as the stepped engine does)
-        for token in tokens:
-            request.detok.add(token)
-            if request.detok.stopped:
-                generation.finish_reason = "stop"
-                break
-        request.output_token_ids.extend(tokens + ([eos] if eos is not None else []))
-        final = generation.finish_reason is not None
-        if final:
-            request.detok.flush()
-        text = request.detok.release(final=final)
-        token_ids, _ = request.detok.release_tokens(final=final)
-        return RequestOutput(
-            request_id=request.request_id, text=text, token_ids=token_ids + ((eos,) if eos is not None else ()),
-            finished=final, finish_reason=generation.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids) - request.detok.num_dropped)
+    def _resident(self, seq: ScheduledSeq) -> Resident:
+        resident = self._seats.get(seq.seat)
+        if resident is None or resident.request_id != seq.request_id or seq.start_pos < resident.num_seen - 1:
+            job = DiffusionJob(cache=self.model.new_cache(), sampler=self.new_sampler(seq.params), pending=None)
+            resident = self._seats[seq.seat] = Resident(seq.request_id, job)
+        return resident
 
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
-        generation = self.new_generation(request)
-        while True:
-            if request.handle.cancelled.is_set():
-                yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
-                                    finish_reason="cancelled")
-                return
-            (block,) = self.denoiser.step([generation.job])
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        for seat in step.reset_seats:
+            self._seats.pop(seat, None)
+        sampling: list[Resident] = []
+        for seq in step.seqs:
+            resident = self._resident(seq)
+            new = seq.token_ids[max(0, resident.num_seen - seq.start_pos):]  # the last token comes back unchanged
+            resident.pending.extend(new)
+            resident.num_seen = max(resident.num_seen, seq.start_pos + len(seq.token_ids))
+            if seq.is_sampling:
+                # finished tokens are encoded in one piece, however the scheduler chunked them
+                if resident.pending:
+                    resident.job.pending = torch.tensor(resident.pending, dtype=torch.long)
+                    resident.pending = []
+                sampling.append(resident)
+        blocks = self.denoiser.step([r.job for r in sampling]) if sampling else []
+        finished = {}
+        for resident, block in zip(sampling, blocks):
             if block is not None:
-                out = self.block_output(request, generation, block)
-                yield out
-                if out.finished:
-                    return
+                resident.job.pending = None  # the scheduler sends the block back as tokens to encode
+                finished[resident.request_id] = block.tolist()
+        return StepOutput(tuple(
+            SeqOutput(seq.request_id, finished[seq.request_id][0], more_token_ids=tuple(finished[seq.request_id][1:]))
+            if seq.request_id in finished else SeqOutput(seq.request_id, None)
+            for seq in step.seqs))

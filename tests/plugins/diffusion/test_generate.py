@@ -87,12 +87,9 @@ def test_unsupported_sampling_parameters_are_refused(near_zero):
 
 
 def test_a_confident_stable_block_stops_early(near_zero):
-    from ifb.engine import new_request
-
     runtime = near_zero.deployment.runtime
-    request = new_request(runtime, RequestSpec(prompt=PROMPTS[0], params=SamplingParams(max_tokens=8, seed=0)))
-    generation = runtime.new_generation(request)
-    while runtime.denoiser.step([generation.job]) == [None]:
+    job = runtime.denoiser.new_job(_ids(PROMPTS[0]), runtime.new_sampler(SamplingParams(seed=0)))
+    while runtime.denoiser.step([job]) == [None]:
         pass
     # near-zero temperatures: zero entropy, so the block stops once self-conditioning leaves its argmax unchanged
-    assert 2 <= generation.job.num_forwards < runtime.settings.max_denoising_steps
+    assert 2 <= job.num_forwards < runtime.settings.max_denoising_steps
