@@ -193,15 +193,21 @@ class Layer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                segments: Sequence[Segment], is_canvas_row: torch.Tensor) -> torch.Tensor:
-        """``x [N, H]`` -> ``[N, H]``; ``is_canvas_row [N, 1]`` picks each row's layer scalar."""
+                segments: Sequence[Segment], is_canvas_row: torch.Tensor, requests: Sequence[slice]) -> torch.Tensor:
+        """``x [N, H]`` -> ``[N, H]``; ``is_canvas_row [N, 1]`` picks each row's layer scalar.
+
+        ``requests`` are the rows of each request: its experts run on them alone, because a
+        matmul's bits can depend on how many rows it has, and an expert's share of the rows
+        would otherwise depend on who shares the forward.
+        """
         residual = x
         x = residual + self.post_attention_layernorm(
             self.self_attn(self.input_layernorm(x), cos, sin, layer, segments))
         residual = x
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         weights, expert_ids = self.router(x)  # routed on the residual, before any norm
-        sparse = self.post_feedforward_layernorm_2(
-            self.experts(self.pre_feedforward_layernorm_2(x), weights, expert_ids))
+        normed = self.pre_feedforward_layernorm_2(x)
+        sparse = self.post_feedforward_layernorm_2(torch.cat([
+            self.experts(normed[r], weights[r], expert_ids[r]) for r in requests]))
         x = residual + self.post_feedforward_layernorm(dense + sparse)
         return x * torch.where(is_canvas_row, self.layer_scalar, self.encoder_layer_scalar)

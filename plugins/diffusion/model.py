@@ -108,9 +108,15 @@ class DiffusionGemmaModel(nn.Module):
         is_canvas_row = torch.cat([torch.full((s.rows.stop - s.rows.start, 1), s.is_canvas) for s in segments])
         pos = torch.cat(positions)  # [N]
         rope = {t: rope_cos_sin(getattr(self, f"inv_freq_{t}"), pos) for t in self.config.rope}
+        requests: list[slice] = []  # each request's rows (its segments are adjacent)
+        for seg, prev in zip(segments, [None, *segments[:-1]]):
+            if prev is not None and prev.cache is seg.cache:
+                requests[-1] = slice(requests[-1].start, seg.rows.stop)
+            else:
+                requests.append(seg.rows)
         for i, layer in enumerate(self.layers):
             cos, sin = rope[self.config.layers[i].layer_type]
-            x = layer(x, cos, sin, i, segments, is_canvas_row)
+            x = layer(x, cos, sin, i, segments, is_canvas_row, requests)
         for seg, inp in zip(segments, inputs):
             if not seg.is_canvas:
                 inp.cache.num_tokens += seg.rows.stop - seg.rows.start

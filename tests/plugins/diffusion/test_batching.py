@@ -59,3 +59,19 @@ def test_streams_one_output_per_finished_block(batched):
     handle = batched.engine.submit(RequestSpec(prompt=PROMPTS[1], stream=True, params=SamplingParams(
         max_tokens=20, seed=2, ignore_eos=True)), wait=True)
     assert [len(o.token_ids) for o in handle] == [8, 8, 4]
+
+
+def test_a_canvas_logits_bits_do_not_depend_on_who_shares_the_forward(batched):
+    import torch
+
+    from ifb_plugins.diffusion.model import SegmentInput
+
+    model = batched.deployment.runtime.model
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, reference.VOCAB, (n,), generator=gen) for n in (9, 14, 3)]
+    canvases = [torch.randint(0, reference.VOCAB, (reference.CANVAS,), generator=gen) for _ in prompts]
+    alone = model([SegmentInput(prompts[0], (kv := model.new_cache()), False), SegmentInput(canvases[0], kv, True)])
+    caches = [model.new_cache() for _ in prompts]
+    together = model([s for p, c, kv in zip(prompts, canvases, caches)
+                      for s in (SegmentInput(p, kv, False), SegmentInput(c, kv, True))])
+    assert torch.equal(alone[0], together[0])
