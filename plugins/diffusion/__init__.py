@@ -19,7 +19,7 @@ import click
 
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, DeploySetting, OptionSupport, Support
-from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS
+from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS
 
 TITLE = "Diffusion backbone"
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.model import RMSNorm, apply_rope
-from ifb_plugins.common.moe import route
+from ifb_plugins.common.models.decoder import RMSNorm, apply_rope
+from ifb_plugins.common.layers.moe import route
 from ifb_plugins.diffusion.cache import PrefixKV
 from ifb_plugins.diffusion.config import DiffusionGemmaConfig, LayerSpec, RopeSpec
 

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from ifb_plugins.common.hf_loader import load_hf_state_dict
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.loading.hf import load_hf_state_dict
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.diffusion.config import DiffusionGemmaConfig, SamplerSettings
 from ifb_plugins.diffusion.model import DiffusionGemmaModel
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.model import RMSNorm
+from ifb_plugins.common.models.decoder import RMSNorm
 from ifb_plugins.diffusion.cache import PrefixKV
 from ifb_plugins.diffusion.config import DiffusionGemmaConfig
 from ifb_plugins.diffusion.layers import MLP, Layer, Segment, rope_cos_sin, rope_inv_freq, unit_rms_norm

@@ -18,8 +18,8 @@ import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
-from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput
-from ifb_plugins.common.prompt import prompt_token_ids
+from ifb.runtime import Prepared, ScheduledStep, SeqOutput, StepOutput
+from ifb_plugins.common.chat.prompt import prompt_token_ids
 from ifb_plugins.diffusion.denoiser import Denoiser, DiffusionJob
 from ifb_plugins.diffusion.loader import LoadedDiffusion
 from ifb_plugins.diffusion.sampler import BlockSampler
@@ -43,7 +43,7 @@ def check_params(params: SamplingParams) -> None:
 
 @attrs.define(eq=False)
 class Resident:
-    """A seat's request: its generation state and what of its tokens the cache already holds."""
+    """A seated request: its generation state and what of its tokens the cache already holds."""
 
     request_id: str
     job: DiffusionJob
@@ -72,7 +72,7 @@ class DiffusionRuntime:
         # ever preempted (a recomputed request could not resume its random numbers).
         self.kv_block_size = self.config.canvas_length
         self.num_kv_blocks = -(-self.max_model_len // self.kv_block_size) * max(1, config.max_batch_size)
-        self._seats: dict[int, Resident] = {}
+        self._residents: dict[str, Resident] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -86,9 +86,7 @@ class DiffusionRuntime:
         return Prepared(tuple(prompt_token_ids(self.tokenizer, self.config.vocab_size, spec)))
 
     def release(self, request_id: str, seat: int) -> None:
-        resident = self._seats.get(seat)
-        if resident is not None and resident.request_id == request_id:
-            del self._seats[seat]
+        self._residents.pop(request_id, None)
 
     def new_sampler(self, params: SamplingParams) -> BlockSampler:
         """A request's sampler with its own generator, seeded as it asks."""
@@ -100,19 +98,13 @@ class DiffusionRuntime:
         return BlockSampler(self.settings, self.config.vocab_size, self.config.canvas_length, generator,
                             temperature=params.temperature)
 
-    def _resident(self, seq: ScheduledSeq) -> Resident:
-        resident = self._seats.get(seq.seat)
-        if resident is None or resident.request_id != seq.request_id or seq.start_pos < resident.num_seen - 1:
-            job = DiffusionJob(cache=self.model.new_cache(), sampler=self.new_sampler(seq.params), pending=None)
-            resident = self._seats[seq.seat] = Resident(seq.request_id, job)
-        return resident
-
     def execute(self, step: ScheduledStep) -> StepOutput:
-        for seat in step.reset_seats:
-            self._seats.pop(seat, None)
+        for new in step.new_seqs:  # seated (a preempted request would start its random numbers afresh)
+            job = DiffusionJob(cache=self.model.new_cache(), sampler=self.new_sampler(new.params), pending=None)
+            self._residents[new.request_id] = Resident(new.request_id, job)
         sampling: list[Resident] = []
         for seq in step.seqs:
-            resident = self._resident(seq)
+            resident = self._residents[seq.request_id]
             new = seq.token_ids[max(0, resident.num_seen - seq.start_pos):]  # the last token comes back unchanged
             resident.pending.extend(new)
             resident.num_seen = max(resident.num_seen, seq.start_pos + len(seq.token_ids))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from ifb_plugins.common.testing import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
 
 VOCAB = 300
 CANVAS = 8
