@@ -116,8 +116,8 @@ class SeqOutput:
     """One sequence's result of a step.
 
     ``token_id`` is None while a prompt is still being prefilled; on a sampling
-    sequence, None means the runtime finished no token this step (a
-    block-diffusion canvas still denoising): the request is scheduled again.
+    sequence, None means the runtime finished no token this step (a canvas
+    still being denoised): the request is scheduled again.
     ``more_token_ids`` follow ``token_id`` when a step finishes several at once
     (a whole block); they carry no logprobs.
     """
