@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ifb.outputs import RequestHandle, RequestOutput
+from ifb.params import RequestSpec
 from ifb.server.convert import chat_request, completion_spec
 from ifb.server.errors import ApiError
 from ifb.server.metrics import RequestTimer
@@ -74,9 +75,13 @@ def _failure(out: RequestOutput) -> ApiError:
     return ApiError(status, out.error or "the request failed", code="engine_full" if status == 429 else None)
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+def _sse(data: dict[str, Any] | str | tuple[str, dict[str, Any]]) -> bytes:
+    """One server-sent event: ``data:`` only, or with an ``event:`` line for a (name, data) pair."""
+    head = ""
+    if isinstance(data, tuple):
+        head, data = f"event: {data[0]}\n", data[1]
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
+    return f"{head}data: {text}\n\n".encode()
 
 
 class EventStream(StreamingResponse):
@@ -124,13 +129,14 @@ COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, "cmpl")
 CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl")
 
 
-def _renderer(kind: _Kind, body: Any, state: AppState, n: int, tools: ToolPlan | None,
+def _renderer(kind: _Kind, body: Any, state: AppState, spec: RequestSpec, tools: ToolPlan | None,
               echo: str | None) -> Renderer:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, int(time.time()))
-    common = dict(num_choices=n, include_usage=include_usage, system_fingerprint=state.system_fingerprint)
+    common = dict(num_choices=spec.params.n, include_usage=include_usage,
+                  system_fingerprint=state.system_fingerprint)
     if kind is CHAT:
-        return ChatRenderer(*args, wants_logprobs=body.logprobs, tools=tools, **common)
+        return ChatRenderer(*args, wants_logprobs=body.logprobs, tools=tools, thinking=spec.thinking, **common)
     return CompletionRenderer(*args, echo=echo, **common)
 
 
@@ -154,15 +160,23 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     extras = state.model_extras(body.model)
     tools = None
     if kind is CHAT:
-        spec, tools = chat_request(body, extras, template=state.chat_template, takes_media=state.takes_media)
+        spec, tools = chat_request(body, extras, template=state.chat_template, takes_media=state.takes_media,
+                                   reasoning=state.reasoning)
     else:
         spec = completion_spec(body, extras)
     echo = _echo_text(state, body, spec)
+    return await generate(request, state, spec, _renderer(kind, body, state, spec, tools, echo))
+
+
+async def generate(request: Request, state: AppState, spec: RequestSpec, renderer: Renderer) -> Response:
+    """Submit ``spec`` and answer with what ``renderer`` makes of its outputs (streamed when ``spec.stream``).
+
+    The Responses and Messages routes answer through this too, with their own renderers.
+    """
     timer = state.metrics.timer()
     handle = await state.submit(spec)
     try:
-        renderer = _renderer(kind, body, state, spec.params.n, tools, echo)
-        return await _answer(request, body, renderer, handle, timer)
+        return await _answer(request, spec.stream, renderer, handle, timer)
     except BaseException:
         # an error answer, or the server stopping: nobody will read this request any more
         if not handle.done.is_set():
@@ -171,7 +185,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         raise
 
 
-async def _answer(request: Request, body: Any, renderer: Renderer, handle: RequestHandle,
+async def _answer(request: Request, stream: bool, renderer: Renderer, handle: RequestHandle,
                   timer: RequestTimer) -> Response:
     outputs = handle.__aiter__()
     try:
@@ -184,7 +198,7 @@ async def _answer(request: Request, body: Any, renderer: Renderer, handle: Reque
     timer.observe(first)
     if first.finish_reason == "error":
         raise _failure(first)
-    if body.stream:
+    if stream:
         return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
     return await _complete(request, renderer, first, outputs, handle, timer)
 
@@ -221,19 +235,20 @@ async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterat
         out: RequestOutput | None = first
         while out is not None:
             if out.finish_reason == "error":
-                yield _sse(_failure(out).body())
+                yield _sse(renderer.error_event(_failure(out)))
                 handle.cancel()
                 break
             for chunk in renderer.delta(out, collected.add(out)):
                 yield _sse(chunk)
             if out.finished:
-                if renderer.include_usage:
-                    yield _sse(renderer.usage_chunk(collected))
+                for chunk in renderer.closing(collected):
+                    yield _sse(chunk)
                 break
             out = await anext(outputs, None)
             if out is not None:
                 timer.observe(out)
-        yield _sse("[DONE]")
+        if renderer.done_marker is not None:
+            yield _sse(renderer.done_marker)
     finally:
         timer.finish()
 

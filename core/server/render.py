@@ -8,7 +8,9 @@ from typing import Any
 import attrs
 
 from ifb.outputs import RequestOutput, TokenLogprob
-from ifb.server.tools import ToolPlan, ToolStream, parse
+from ifb.params import ThinkingBlock
+from ifb.server.answer import AnswerStream, whole
+from ifb.server.tools import ToolPlan
 
 
 @attrs.define
@@ -60,10 +62,15 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 class Renderer:
-    """Shared envelope: id, object, created, model."""
+    """Shared envelope: id, object, created, model.
+
+    A streamed event is a dict (sent as ``data:``) or an ``(event name, dict)`` pair.
+    """
 
     object_full = ""
     object_chunk = ""
+    #: the stream's last ``data:`` line (None: the stream ends with its last event)
+    done_marker: str | None = "[DONE]"
 
     def __init__(self, response_id: str, model: str, created: int, *, num_choices: int, include_usage: bool,
                  system_fingerprint: str | None = None):
@@ -92,6 +99,14 @@ class Renderer:
     def opening(self) -> list[dict[str, Any]]:
         """Chunks sent before the first token."""
         return []
+
+    def closing(self, collected: Collected) -> list[dict[str, Any]]:
+        """Chunks sent after the last output."""
+        return [self.usage_chunk(collected)] if self.include_usage else []
+
+    def error_event(self, error: Any) -> dict[str, Any]:
+        """The event a request that failed mid-stream ends with."""
+        return error.body()
 
     def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         """The chunks one output streams (none while text is held back)."""
@@ -169,11 +184,13 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args, wants_logprobs: bool = False, tools: ToolPlan | None = None, **kwargs):
+    def __init__(self, *args, wants_logprobs: bool = False, tools: ToolPlan | None = None,
+                 thinking: ThinkingBlock | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.wants_logprobs = wants_logprobs
         self.tools = tools
-        self._tool_streams: dict[int, ToolStream] = {}
+        self.thinking = thinking  # the block thinking is split out of (``reasoning_content``)
+        self._streams: dict[int, AnswerStream] = {}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -182,45 +199,45 @@ class ChatRenderer(Renderer):
     def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         if not out.text and not out.finish_reason and not out.logprobs:
             return []
-        text, chunks, reason = out.text, [], _finish_reason(out.finish_reason)
-        if self.tools is not None:
-            stream = self._tool_streams.setdefault(out.index, ToolStream(self.tools.fmt))
-            text = stream.feed(text)
-            if out.finished:
-                rest, calls = stream.finish()
-                text += rest
-                # each call in one chunk (id, name and all arguments): the client accumulates them
-                chunks = [self.chunk([{"index": out.index, "delta": {"tool_calls": [call.to_openai(i)]},
-                                       "logprobs": None, "finish_reason": None}]) for i, call in enumerate(calls)]
-                if calls and reason == "stop":
-                    reason = "tool_calls"
+        reason = _finish_reason(out.finish_reason)
+        stream = self._streams.setdefault(out.index, AnswerStream(self.tools, self.thinking))
+        piece = stream.feed(out.text, out.finished)
+        text, thought = piece.text, piece.thinking
+        # each call in one chunk (id, name and all arguments): the client accumulates them
+        chunks = [self.chunk([{"index": out.index, "delta": {"tool_calls": [call.to_openai(i)]},
+                               "logprobs": None, "finish_reason": None}]) for i, call in enumerate(piece.calls)]
+        if piece.calls and reason == "stop":
+            reason = "tool_calls"
         lps = chat_logprobs(out.logprobs) if self.wants_logprobs and out.logprobs else None
-        delta: dict[str, Any] = {"content": text} if text or not out.finish_reason else {}
+        delta: dict[str, Any] = {}
+        if thought:
+            delta["reasoning_content"] = thought
+        if text or not (out.finish_reason or thought):
+            delta["content"] = text
         if out.finish_reason and "audio" in seq.extras:
             delta["audio"] = seq.extras["audio"]
-        if chunks and text:  # content first, then the calls, then the finish
+        if chunks and (text or thought):  # content first, then the calls, then the finish
             return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
                     *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
                                           "finish_reason": reason}])]
         if chunks:
             return [*chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": lps,
                                           "finish_reason": reason}])]
-        if not text and not out.finished and not lps:
+        if not text and not thought and not out.finished and not lps:
             return []
         return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": reason}])]
 
     def full(self, collected: Collected) -> dict[str, Any]:
         choices = []
         for seq in sorted(collected.seqs.values(), key=lambda s: s.index):
-            content: str | None = "".join(seq.texts)
-            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            answer = whole("".join(seq.texts), self.tools, self.thinking)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.text, "refusal": None}
+            if answer.thinking is not None:
+                message["reasoning_content"] = answer.thinking
             reason = _finish_reason(seq.finish_reason)
-            if self.tools is not None:
-                content, calls = parse(content, self.tools.fmt)
-                if calls:
-                    message["content"] = content
-                    message["tool_calls"] = [c.to_openai() for c in calls]
-                    reason = "tool_calls" if reason == "stop" else reason
+            if answer.calls:
+                message["tool_calls"] = [c.to_openai() for c in answer.calls]
+                reason = "tool_calls" if reason == "stop" else reason
             if "audio" in seq.extras:
                 message["audio"] = seq.extras["audio"]
             choices.append({

@@ -179,12 +179,14 @@ class ChatCompletionRequest:
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     # vLLM / llama.cpp extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- the converter ----

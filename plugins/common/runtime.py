@@ -121,7 +121,7 @@ class TextRuntime:
         if lora and lora not in self.lora.adapters:
             known = ", ".join(sorted(self.lora.adapters)) or "none registered"
             raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        grammar = self.guided.compile(spec.extras.get("response_format"))
+        grammar = self.guided.compile(spec.extras.get("response_format"), after=spec.thinking)
         return Prepared(tuple(ids), {GUIDED_GRAMMAR: grammar} if grammar is not None else {})
 
     def render_chat(self, messages: list[dict]) -> str:
