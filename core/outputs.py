@@ -36,6 +36,8 @@ class RequestOutput:
     error: str | None = None
     index: int = 0  # which sequence of the request (n > 1 on the blocking path)
     extras: dict = attrs.field(factory=dict, hash=False)  # e.g. generated audio
+    #: on the last output: the stop string that ended the text (None: EOS, a stop token or no stop)
+    stop_string: str | None = None
 
 
 @attrs.frozen

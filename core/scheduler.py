@@ -400,6 +400,7 @@ class Scheduler:
             finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
             logprobs=held_logprobs + logprobs, error=error, index=r.index,
+            stop_string=r.detok.matched_stop if reason == "stop" else None,
         ), self._deliveries)
 
     def shutdown(self) -> None:

@@ -296,6 +296,8 @@ async def retrieve_model(request: Request) -> Response:
 
 
 def openai_routes() -> list[Route]:
+    from ifb.server.anthropic import anthropic_routes
+    from ifb.server.responses import responses_routes
     from ifb.server.tokenize_routes import tokenize_routes
 
     return [
@@ -303,5 +305,7 @@ def openai_routes() -> list[Route]:
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *responses_routes(),
+        *anthropic_routes(),
         *tokenize_routes(),
     ]

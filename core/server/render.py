@@ -23,6 +23,7 @@ class Sequence:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     extras: dict = attrs.field(factory=dict)
+    stop_string: str | None = None  # the stop string that ended it
 
 
 @attrs.define
@@ -41,6 +42,7 @@ class Collected:
                                                                                out.num_output_tokens)
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
+            seq.stop_string = out.stop_string
         if out.extras:
             seq.extras.update(out.extras)
         self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
