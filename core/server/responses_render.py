@@ -181,8 +181,9 @@ class ResponsesRenderer:
 
     def closing(self, collected: Collected) -> list[tuple[str, dict[str, Any]]]:
         body = self.response("completed", list(self._items), collected, collected.seqs[0].finish_reason)
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return [self._event(kind, response=self._finished(body))]
+        # response.completed even when the status is incomplete: the official client's stream helper
+        # takes its final response from that event only
+        return [self._event("response.completed", response=self._finished(body))]
 
     def error_event(self, error: ApiError) -> tuple[str, dict[str, Any]]:
         return self._event("error", code=error.code, message=error.message, param=error.param)
