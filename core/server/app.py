@@ -64,8 +64,13 @@ def _plugin_routes(host: PluginHost, state: AppState) -> list[BaseRoute]:
     return routes
 
 
+#: POST routes whose bodies are multipart uploads, not JSON
+MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
 def _json_paths(routes: list[BaseRoute]) -> frozenset[str]:
-    return frozenset(r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ()))
+    return frozenset(r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ())
+                     and r.path not in MULTIPART_PATHS)
 
 
 def _reasoning(deployment, choice: str) -> Reasoning:

@@ -223,7 +223,8 @@ async def _complete(request: Request, renderer: Renderer, first: RequestOutput,
                 return Response(status_code=499)
     finally:
         timer.finish()
-    return JSONResponse(renderer.full(collected))
+    body = renderer.full(collected)
+    return body if isinstance(body, Response) else JSONResponse(body)
 
 
 async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
@@ -299,6 +300,7 @@ def openai_routes() -> list[Route]:
     from ifb.server.anthropic import anthropic_routes
     from ifb.server.responses import responses_routes
     from ifb.server.tokenize_routes import tokenize_routes
+    from ifb.server.transcriptions import transcription_routes
 
     return [
         Route("/v1/models", list_models, methods=["GET"]),
@@ -307,5 +309,6 @@ def openai_routes() -> list[Route]:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         *responses_routes(),
         *anthropic_routes(),
+        *transcription_routes(),
         *tokenize_routes(),
     ]
