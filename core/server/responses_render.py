@@ -112,14 +112,15 @@ class ResponsesRenderer:
     def _index(self) -> int:
         return len(self._items)
 
-    def _start(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
+    def _start(self, item_type: str) -> list[tuple[str, dict[str, Any]]]:
         events = self._close()
-        item = reasoning_item("", status="in_progress") if kind == "reasoning" else message_item("", status="in_progress")
-        if kind == "reasoning":
+        item = reasoning_item("", status="in_progress") if item_type == "reasoning" else \
+            message_item("", status="in_progress")
+        if item_type == "reasoning":
             item["content"] = []
         self._open, self._open_text = item, ""
         events.append(self._event("response.output_item.added", output_index=self._index(), item=dict(item)))
-        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
+        part = {"type": "reasoning_text", "text": ""} if item_type == "reasoning" else _text_part("")
         events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index(),
                                   content_index=0, part=part))
         return events
@@ -143,13 +144,13 @@ class ResponsesRenderer:
         self._items.append(done)
         return events
 
-    def _text(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+    def _text(self, item_type: str, text: str) -> list[tuple[str, dict[str, Any]]]:
         if not text:
             return []
-        events = [] if self._open is not None and self._open["type"] == kind else self._start(kind)
+        events = [] if self._open is not None and self._open["type"] == item_type else self._start(item_type)
         self._open_text += text
         where = {"item_id": self._open["id"], "output_index": self._index(), "content_index": 0}
-        if kind == "reasoning":
+        if item_type == "reasoning":
             events.append(self._event("response.reasoning_text.delta", **where, delta=text))
         else:
             events.append(self._event("response.output_text.delta", **where, delta=text, logprobs=[]))

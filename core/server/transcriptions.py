@@ -1,4 +1,4 @@
-"""``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: speech to text, OpenAI's shapes.
+"""``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: audio to text, OpenAI's shapes.
 
 The upload (multipart ``file``: WAV, MP3, FLAC or Ogg, at most
 ``MAX_AUDIO_BYTES``) is decoded here, mixed to mono and handed to the model as
@@ -67,7 +67,7 @@ def wav_pcm32(samples: np.ndarray, rate: int) -> bytes:
 def instruction(language: str | None, translate: bool) -> str:
     if translate:
         return "Translate the audio into English text."
-    return f"Transcribe the audio into text. The speech is in {language}." if language else \
+    return f"Transcribe the audio into text. The audio is in {language}." if language else \
         "Transcribe the audio into text."
 
 
