@@ -19,6 +19,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,7 +68,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    from ifb_plugins.mamba.testing import save_tiny_nemotron_h
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test tree's tiny checkpoints
+    from tests.models.hybrid import save_tiny_nemotron_h
 
     h = args.hidden
     path = save_tiny_nemotron_h(

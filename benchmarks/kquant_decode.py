@@ -46,7 +46,7 @@ def write_gguf(path: Path, num_layers: int, seed: int = 0) -> dict[str, int]:
 
 
 def decode_rate(model: torch.nn.Module, num_tokens: int) -> float:
-    from ifb_plugins.common.testing import greedy_generate
+    from tests.models.text import greedy_generate
 
     prompt = list(range(100, 108))
     greedy_generate(model, prompt, 2, block_size=16)  # warm-up
@@ -65,9 +65,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from ifb_plugins.common import qkernels, quant
-    from ifb_plugins.common.gguf_loader import load_gguf, read_gguf_tensors
-    from ifb_plugins.common.loader import build_model
+    from ifb_plugins.common.quant import kernels as qkernels, linear as quant
+    from ifb_plugins.common.loading.gguf import load_gguf, read_gguf_tensors
+    from ifb_plugins.common.loading.checkpoint import build_model
 
     torch.set_num_threads(args.threads)
     kernels = qkernels.load()

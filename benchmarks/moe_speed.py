@@ -43,7 +43,8 @@ def write_models(directory: Path, seed: int = 0) -> dict[str, Path]:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from ifb_plugins.common.testing_moe import hf_moe_config, save_tokenizer_files, write_moe_gguf
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test tree's tiny checkpoints
+    from tests.models.moe import hf_moe_config, save_tokenizer_files, write_moe_gguf
 
     moe = hf_moe_config("qwen3_moe", **SHAPE, norm_topk_prob=True, head_dim=64)
     dense = Qwen3Config(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"],

@@ -1,7 +1,7 @@
 """How closely the default model's quantized path follows its float32 path.
 
 Both run the same GGUF: the float32 path dequantizes every matrix, the
-quantized path multiplies the stored blocks (``plugins/common/quant.py``; with the
+quantized path multiplies the stored blocks (``plugins/common/quant/linear.py``; with the
 native kernels, attention and the layer loop run natively too, as a deployment
 runs them). Over a
 fixed set of chat prompts, each greedy-decoded for N tokens on both paths:
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 PROMPTS = (
@@ -64,13 +66,14 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
     import torch
 
     from ifb.capabilities import DeployConfig
-    from ifb_plugins.common import qkernels, quant
+    from ifb_plugins.common.quant import kernels as qkernels, linear as quant
     from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, mode_for_activations
     from ifb_plugins.text.default_model import resolve_model
-    from ifb_plugins.common.gguf_loader import read_gguf_tensors
-    from ifb_plugins.common.loader import build_model, load_checkpoint
-    from ifb_plugins.common.native_decoder import use_native_decoder
-    from ifb_plugins.common.testing import greedy_generate_batch
+    from ifb_plugins.common.loading.gguf import read_gguf_tensors
+    from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+    from ifb_plugins.common.models.native_decoder import use_native_decoder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test tree's tiny checkpoints
+    from tests.models.text import greedy_generate_batch
 
     path = resolve_model(None)
     loaded = load_checkpoint(path)
@@ -127,8 +130,8 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
 def _prefill_logits(model: Any, ids: list[int], kv_dtype: Any = None) -> Any:
     import torch
 
-    from ifb_plugins.common.attention import build_attn_metadata
-    from ifb_plugins.common.model import allocate_kv_cache
+    from ifb_plugins.common.layers.attention import build_attn_metadata
+    from ifb_plugins.common.models.decoder import allocate_kv_cache
 
     block_size = 16
     blocks = list(range(-(-len(ids) // block_size)))
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     parser.add_argument("--backend", choices=("native", "torch-int4"), default=None,
                         help="quantized matmul to compare (default: what a deployment would pick)")
-    from ifb_plugins.common.qkernels import ACTIVATIONS
+    from ifb_plugins.common.quant.kernels import ACTIVATIONS
 
     parser.add_argument("--activations", choices=tuple(ACTIVATIONS), default="int16",
                         help="the native kernels' activations (int8: quantization=int8, float32: weights-only)")

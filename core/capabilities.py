@@ -57,6 +57,8 @@ class RequestOption:
     default: OptionSupport
     relative_to_batch: bool = False
     order: int = 100
+    #: the request field a refusal of this option names (``param`` of the 400), if any
+    param: Callable[[RequestSpec], str | None] | None = None
 
 
 @attrs.frozen

@@ -6,7 +6,6 @@ import logging
 
 import attrs
 
-from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
 from ifb.counters import SchedulingCounters
 from ifb.engine import RequestEngine
@@ -38,7 +37,7 @@ class Deployment:
     config: DeployConfig
     caps: DeploymentCaps
     runtime: object
-    engine: RequestEngine | BlockingEngine
+    engine: RequestEngine
     #: why the deployment is on the blocking path (None when served in flight or not asked)
     blocking_reason: str | None
 
@@ -78,9 +77,9 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     caps = runtime.caps
     reason = check_deployment(caps, config)  # the loaded runtime's own declaration is the final word
     options = host.request_options()
+    counters = SchedulingCounters()
+    blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
     if config.enable_in_flight_batching:
-        counters = SchedulingCounters()
-        blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
         prefix = None
         if config.enable_context_reuse:
             prefix = host.hook.ifb_prefix_cache(config=config, blocks=blocks, runtime=runtime, counters=counters)
@@ -96,7 +95,10 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
         if config.enable_context_reuse:
             raise UnsupportedDeployment(
                 "--enable-context-reuse is served under in-flight batching only: add --enable-in-flight-batching")
-        engine = BlockingEngine(runtime, config, options, reason=reason)
+        # the runtime's own prefix reuse on the blocking path (the legacy system-prompt capture), if any
+        own_prefix = getattr(runtime, "blocking_prefix", None)
+        engine = RequestEngine(runtime, config, options, in_flight=False, blocks=blocks, counters=counters,
+                               prefix=own_prefix(blocks) if own_prefix is not None else None, reason=reason)
     deployment = Deployment(kind, config, caps, runtime, engine, reason)
     log.info(deployment.describe())
     return deployment

@@ -1,9 +1,17 @@
-"""The in-flight request engine: one actor thread owns the step loop.
+"""The request engine: one actor thread owns the step loop.
 
 ``submit()`` is thread-safe: it validates at once, checks the request options
 against the deployment's declaration (rejected options raise naming the
 alternative), bounds admission to batch + queue, and returns a handle. The
 actor runs boundaries and steps; nothing else touches the runtime.
+
+One engine serves both modes. Under in-flight batching it has
+``max_batch_size`` seats and the load-time gate's blessing. On the blocking
+path (the default, and the only mode for what the gate refuses) it has one
+seat, so requests run one at a time; a request that waits past the queue
+time-out fails, an n > 1 request runs its sequences one after another, and a
+runtime without stepped execution (or a request its runtime serves whole) is
+driven through ``handle_request`` in that seat.
 """
 
 from __future__ import annotations
@@ -13,23 +21,29 @@ import logging
 import threading
 import uuid
 
+import attrs
+
 from ifb.capabilities import DeployConfig, OptionSupport, RequestOption, Support
 from ifb.counters import SchedulingCounters
 from ifb.detok import IncrementalDetokenizer
 from ifb.gate import UnsupportedDeployment, ifb_unsupported_reason
 from ifb.kv import BlockManager
 from ifb.options import media_refusal
-from ifb.outputs import RequestHandle
+from ifb.outputs import RequestHandle, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
-from ifb.request import Request
-from ifb.runtime import Runtime
+from ifb.request import Request, RequestGroup
+from ifb.runtime import Runtime, ScheduledStep
 from ifb.scheduler import PrefixMatcher, Scheduler
 
 log = logging.getLogger("ifb.engine")
 
 
 class RequestRejected(ValueError):
-    """submit() refuses a request option this deployment cannot serve (HTTP 400)."""
+    """submit() refuses a request option this deployment cannot serve (HTTP 400); ``param``: the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineFull(RuntimeError):
@@ -53,14 +67,16 @@ def check_options(options: list[RequestOption], support: dict[str, OptionSupport
         if opt.relative_to_batch or not opt.uses(spec):
             continue
         declared = support[opt.name]
+        param = opt.param(spec) if opt.param is not None else None
+        alt = f" {declared.alternative}" if declared.alternative else ""
         if declared.support is Support.NOT_APPLICABLE:
-            raise RequestRejected(f"{opt.title} is not supported by this deployment: {declared.reason}")
+            raise RequestRejected(f"{opt.title} is not supported by this deployment: {declared.reason}{alt}",
+                                  param=param)
         if not in_flight:
             continue
         if declared.support is Support.REJECTED:
-            alt = f" {declared.alternative}" if declared.alternative else ""
             raise RequestRejected(f"{opt.title} is not supported under in-flight batching: "
-                                  f"{declared.reason}{alt}")
+                                  f"{declared.reason}{alt}", param=param)
         if declared.support is Support.RUNS_ALONE:
             founder, alone = declared, True
         elif declared.support is Support.FOUNDER_ONLY and founder is None:
@@ -93,16 +109,36 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
     prompt_ids = list(prepared.prompt_token_ids)
     return Request(
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-        handle=RequestHandle(request_id, on_cancel), extras=dict(prepared.extras),
+        handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
+        is_served_whole=prepared.is_served_whole,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
         eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
     )
 
 
-class RequestEngine:
-    """Serves a stepped runtime under in-flight batching."""
+def fan_out(request: Request, tokenizer) -> list[Request]:
+    """The n sequences of an n > 1 request, each its own request sharing its handle (sequence i seeded with
+    seed + i); the scheduler counts them as one request, finished with the last of them."""
+    params = request.params
+    group = RequestGroup(num_open=params.n)
+    sequences = []
+    for i in range(params.n):
+        seed = {"seed": params.seed + i} if params.seed is not None else {}
+        spec = attrs.evolve(request.spec, params=attrs.evolve(params, n=1, **seed))
+        sequences.append(Request(
+            request_id=f"{request.request_id}-{i}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
+            detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
+            eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
+        ))
+    return sequences
 
-    is_in_flight = True
+
+class RequestEngine:
+    """Serves a runtime: under in-flight batching (``in_flight``), or one request at a time (the blocking path).
+
+    ``reason`` is why a deployment on the blocking path cannot run in flight (None where it only was not asked).
+    """
 
     def __init__(
         self,
@@ -110,31 +146,41 @@ class RequestEngine:
         config: DeployConfig,
         options: list[RequestOption],
         *,
+        in_flight: bool = True,
         prefix: PrefixMatcher | None = None,
         blocks: BlockManager | None = None,
         counters: SchedulingCounters | None = None,
         static_batching: bool = False,
+        reason: str | None = None,
     ):
-        reason = ifb_unsupported_reason(runtime.caps, config)
-        if reason is not None:
-            raise UnsupportedDeployment(f"cannot enable in-flight batching: {reason}")
+        if in_flight:
+            reason = ifb_unsupported_reason(runtime.caps, config)
+            if reason is not None:
+                raise UnsupportedDeployment(f"cannot enable in-flight batching: {reason}")
+        self.is_in_flight = in_flight
+        self.reason = reason
         self.runtime = runtime
         self.config = config
         self.options = options
         self.support: dict[str, OptionSupport] = {o.name: runtime.caps.option(o) for o in options}
-        self.max_in_system = config.max_batch_size + config.max_queued_requests
+        num_seats = config.max_batch_size if in_flight else 1
+        self.max_in_system = num_seats + config.max_queued_requests
         self.counters = counters or SchedulingCounters()
         self.prefix = prefix
         self.blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+        #: every request is served whole by the runtime (no stepped execution)
+        self._serves_whole = not runtime.caps.stepped_execution
         sampling = self.support.get("differing_sampling")
         self.scheduler = Scheduler(
-            num_seats=config.max_batch_size,
-            token_budget=max(config.max_num_batched_tokens, config.max_batch_size),
+            num_seats=num_seats,
+            token_budget=max(config.max_num_batched_tokens, num_seats),
             blocks=self.blocks, tokenizer=runtime.tokenizer, max_model_len=runtime.max_model_len,
             counters=self.counters, static_batching=static_batching, prefix=prefix,
-            batch_wide_sampling=sampling is not None and sampling.support is not Support.SERVED,
-            batch_wide_length=runtime.caps.batch_wide_generation_length,
+            batch_wide_sampling=in_flight and sampling is not None and sampling.support is not Support.SERVED,
+            batch_wide_length=in_flight and runtime.caps.batch_wide_generation_length,
             release=lambda r: runtime.release(r.request_id, r.seat),
+            queue_timeout=None if in_flight else config.queue_timeout,
+            finish_output=getattr(runtime, "finish_output", None),
         )
         self.scheduler.listeners.append(self)
         self._cv = threading.Condition()
@@ -144,7 +190,7 @@ class RequestEngine:
 
     # ---- submission (any thread) ----
     def check_options(self, spec: RequestSpec) -> tuple[OptionSupport | None, bool]:
-        return check_options(self.options, self.support, spec, in_flight=True)
+        return check_options(self.options, self.support, spec, in_flight=self.is_in_flight)
 
     def submit(self, spec: RequestSpec, *, wait: bool = False, timeout: float | None = None) -> RequestHandle:
         """Queue a request; returns its handle. Raises InvalidRequest, RequestRejected or EngineFull.
@@ -154,13 +200,18 @@ class RequestEngine:
         founder, alone = self.check_options(spec)
         request = new_request(self.runtime, spec, on_cancel=self._wake)
         request.founder_only, request.runs_alone = founder, alone
+        if request.is_served_whole and self.is_in_flight:
+            raise RequestRejected("this request is served whole by its runtime, which only the blocking path does")
+        queued: Request | list[Request] = request
+        if spec.params.n > 1 and not self.is_in_flight:
+            queued = fan_out(request, self.runtime.tokenizer)
         with self._cv:
             if self._stopping:
                 raise EngineFull("the engine is shutting down")
             if wait:
                 if not self._cv.wait_for(lambda: self.counters.in_system < self.max_in_system, timeout):
                     raise EngineFull("timed out waiting for room in the batch and queue")
-            if not self.scheduler.submit(request, self.max_in_system):
+            if not self.scheduler.submit(queued, self.max_in_system):
                 raise EngineFull(
                     f"the engine is full: {self.config.max_batch_size} running + "
                     f"{self.config.max_queued_requests} queued")
@@ -195,12 +246,36 @@ class RequestEngine:
             if step is None:
                 continue
             try:
-                output = self.runtime.execute(step)
-                scheduler.update(step, output)
+                whole = self._served_whole(step)
+                if whole is not None:
+                    self._serve_whole(whole)
+                else:
+                    scheduler.update(step, self.runtime.execute(step))
             except Exception as exc:  # noqa: BLE001 - one step's fault fails that step only
                 log.exception("step %d failed", step.step_id)
                 scheduler.fail_step(step, exc)
         scheduler.shutdown()
+
+    def _served_whole(self, step: ScheduledStep) -> Request | None:
+        """The request of a one-seat step that the runtime serves whole (``handle_request``), if it is one."""
+        if len(step.seqs) != 1:
+            return None
+        request = self.scheduler.requests.get(step.seqs[0].request_id)
+        return request if request is not None and (self._serves_whole or request.is_served_whole) else None
+
+    def _serve_whole(self, request: Request) -> None:
+        """Pass on the runtime's outputs for ``request`` as it makes them; then end it with the last."""
+        final = None
+        for out in self.runtime.handle_request(request.spec, request):
+            if out.finished:
+                final = out
+                break
+            request.handle.push(out)
+        if final is None:
+            reason = "cancelled" if request.handle.cancelled.is_set() else "stop"
+            final = RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
+                                  finish_reason=reason)
+        self.scheduler.finish(request, final.finish_reason or "stop", final=final)
 
     def shutdown(self) -> None:
         with self._cv:
@@ -225,6 +300,8 @@ class RequestEngine:
 
     # ---- reporting ----
     def health(self) -> dict:
+        if not self.is_in_flight:
+            return {"in_flight_batching": False, "max_num_seqs": 1}
         out = {
             "in_flight_batching": True,
             "max_num_seqs": self.config.max_batch_size,

@@ -6,8 +6,8 @@ from typing import Any, Iterator, Sequence
 
 from ifb.capabilities import DeployConfig
 from ifb.deploy import Deployment, load_deployment
-from ifb.outputs import FinalOutput, RequestHandle, RequestOutput, collect
-from ifb.params import RequestSpec, SamplingParams
+from ifb.outputs import FinalOutput, RequestFailed, RequestHandle, RequestOutput, collect
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
 from ifb.plugins import default_host
 
 
@@ -68,15 +68,46 @@ class LLM:
             _cancel(handles)
             raise
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, **extras: Any) -> FinalOutput:
-        """Answer one conversation (OpenAI-style messages); an exception while waiting cancels it."""
-        spec = RequestSpec(messages=tuple(messages), params=params or SamplingParams(), extras=extras)
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
+             trajectory: Sequence[Sequence[float]] | None = None, noise_seed: int | None = None,
+             **extras: Any) -> FinalOutput:
+        """Answer one conversation (OpenAI-style messages); an exception while waiting cancels it.
+
+        ``trajectory`` (trajectory-planning deployments): the past trajectory, points oldest first (one
+        point: the current state); the result's ``output_trajectory`` is the plan. ``noise_seed`` fixes
+        the plan's initial noise (the plugin's docs say how it is drawn).
+        """
+        planned = Trajectory.of(trajectory, noise_seed) if trajectory is not None else None
+        if planned is None and noise_seed is not None:
+            raise InvalidRequest("noise_seed seeds a trajectory plan: pass a trajectory with it", param="noise_seed")
+        spec = RequestSpec(messages=tuple(messages), params=params or SamplingParams(), extras=extras,
+                           past_trajectory=planned)
         handle = self._submit(spec)
         try:
             return handle.result()
         except BaseException:
             _cancel([handle])
             raise
+
+    def plan(self, task: str | list[dict], trajectory: Sequence[Sequence[float]], *,
+             images: Sequence[str] = (), noise_seed: int | None = None) -> list[list[float]]:
+        """The trajectory a trajectory-planning model plans for ``task`` from ``trajectory``.
+
+        ``task`` is the instruction (or OpenAI-style messages); ``images`` are image URLs (``data:`` URLs
+        or, where the deployment allows, local files), one per camera, in the model's camera order.
+        Returns the planned steps, one vector per row (``chat(..., trajectory=...)`` gives the whole result).
+        """
+        if isinstance(task, str):
+            parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+            messages = [{"role": "user", "content": [*parts, {"type": "text", "text": task}]}]
+        elif images:
+            raise InvalidRequest("give images inside the messages when task is a list of messages", param="images")
+        else:
+            messages = task
+        result = self.chat(messages, trajectory=trajectory, noise_seed=noise_seed)
+        if result.output_trajectory is None:
+            raise RequestFailed("the deployment returned no trajectory")
+        return [list(point) for point in result.output_trajectory]
 
     def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                messages: list[dict] | None = None, **extras: Any) -> Iterator[RequestOutput]:

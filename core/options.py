@@ -14,6 +14,13 @@ from ifb.params import RequestSpec
 
 BLOCKING = "Use the blocking path (serve without --enable-in-flight-batching)."
 
+#: why a deployment that plans no trajectories refuses one on every path
+NO_TRAJECTORY_PLANNER = "This model has no trajectory planner: it plans no trajectories."
+
+#: the spec's reason for rejecting trajectory execution under in-flight batching (a deployment that
+#: serves it on the blocking path only declares it)
+TRAJECTORY_BLOCKING_ONLY = "Trajectory execution founds its own batch and carries drain-time response state."
+
 
 def _extra(name: str):
     return lambda spec: bool(spec.extras.get(name))
@@ -82,10 +89,12 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
             Support.REJECTED, reason="This deployment has no guided decoder.",
             alternative="Use a deployment whose plugin declares guided decoding.")),
     RequestOption(
-        name="past_trajectory", title="pastTrajectory (trajectory execution)", uses=_extra("past_trajectory"),
-        order=60, default=OptionSupport(
-            Support.REJECTED, reason="Trajectory execution founds its own batch and carries drain-time state.",
-            alternative=BLOCKING)),
+        name="past_trajectory", title="pastTrajectory (trajectory execution)",
+        uses=lambda spec: spec.past_trajectory is not None, order=60,
+        param=lambda spec: spec.past_trajectory.field if spec.past_trajectory is not None else None,
+        default=OptionSupport(
+            Support.NOT_APPLICABLE, reason=NO_TRAJECTORY_PLANNER,
+            alternative="Serve a model whose plugin plans trajectories (ifb matrix lists them).")),
     RequestOption(
         name="lora", title="Per-request LoRA", uses=_extra("lora"), order=70,
         default=OptionSupport(

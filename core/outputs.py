@@ -19,6 +19,25 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class AudioOutput:
+    """Audio spoken for a request: the whole container (``data``; empty when it was streamed in chunks)."""
+
+    format: str  # wav, mp3, flac, opus, pcm
+    data: bytes
+    sample_rate: int
+    voice: str
+    num_frames: int
+    num_samples: int
+    is_streamed: bool = False
+    #: the text it speaks (a chat answer's transcript)
+    transcript: str = ""
+
+
+#: ``RequestOutput.error_code`` of a request that waited longer than the queue time-out (the server's 429)
+QUEUE_TIMEOUT = "queue_timeout"
+
+
+@attrs.frozen
 class RequestOutput:
     """One streamed delta of a request; the last one has ``finished`` set.
 
@@ -35,7 +54,14 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
     index: int = 0  # which sequence of the request (n > 1 on the blocking path)
-    extras: dict = attrs.field(factory=dict, hash=False)  # e.g. generated audio
+    #: what kind of failure ``error`` is, where a caller answers it differently (``QUEUE_TIMEOUT``)
+    error_code: str | None = None
+    #: a piece of streamed audio (audio output with streaming)
+    audio_chunk: bytes = attrs.field(default=b"", repr=False)
+    #: on the final output of a request that asked for audio output: the audio
+    audio: AudioOutput | None = attrs.field(default=None, repr=False)
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
     #: on the last output: the stop string that ended the text (None: EOS, a stop token or no stop)
     stop_string: str | None = None
 
@@ -52,7 +78,9 @@ class FinalOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...]
     index: int = 0
-    extras: dict = attrs.field(factory=dict, hash=False)
+    audio: AudioOutput | None = attrs.field(default=None, repr=False)
+    #: the planned trajectory (trajectory-planning deployments): one step's vector per row
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -181,8 +209,10 @@ class RequestHandle:
 
 
 def collect(outputs) -> FinalOutput:
-    text, ids, logprobs, last = [], [], [], None
+    text, ids, logprobs, last, trajectory = [], [], [], None, None
     for out in outputs:
+        if out.output_trajectory is not None:
+            trajectory = out.output_trajectory
         text.append(out.text)
         ids.extend(out.token_ids)
         logprobs.extend(out.logprobs)
@@ -195,5 +225,5 @@ def collect(outputs) -> FinalOutput:
         request_id=last.request_id, text="".join(text), token_ids=tuple(ids),
         finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens, logprobs=tuple(logprobs), index=last.index,
-        extras=last.extras,
+        audio=last.audio, output_trajectory=trajectory,
     )

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 
 
 class InvalidRequest(ValueError):
-    """A request whose parameters are malformed or out of range (HTTP 400)."""
+    """A request whose parameters are malformed or out of range (HTTP 400).
+
+    ``param`` names the request field at fault where the raiser knows it (``messages[0].content[1].trajectory``).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _check(condition: bool, message: str) -> None:
@@ -78,6 +86,58 @@ class ThinkingBlock:
 
 
 @attrs.frozen
+class Trajectory:
+    """The past trajectory (or robot state) a trajectory-planning request carries, and how to plan from it.
+
+    ``points`` are the past states, oldest first, each a vector of the same length; one point is the
+    current state. ``noise_seed`` fixes the planner's initial noise (the plugin documents exactly how it
+    is drawn). ``field`` is where the request carried it, for error messages.
+    """
+
+    points: tuple[tuple[float, ...], ...]
+    noise_seed: int | None = None
+    field: str = "trajectory"
+
+    @classmethod
+    def of(cls, points: Any, noise_seed: int | None = None, field: str = "trajectory") -> Trajectory:
+        """A trajectory from nested sequences of numbers (a flat vector is one point); InvalidRequest if not."""
+        if isinstance(points, (list, tuple)) and points and all(_is_number(x) for x in points):
+            points = [points]
+        if not isinstance(points, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in points):
+            raise InvalidRequest(f"{field} must be a list of points, each a list of numbers", param=field)
+        for i, row in enumerate(points):
+            if not all(_is_number(x) for x in row):
+                raise InvalidRequest(f"{field}[{i}] must be a list of numbers", param=field)
+        return cls(tuple(tuple(float(x) for x in row) for row in points), noise_seed, field)
+
+    @property
+    def num_points(self) -> int:
+        return len(self.points)
+
+    @property
+    def dim(self) -> int:
+        return len(self.points[0]) if self.points else 0
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming ``field``: no points, ragged or empty points, NaN or infinity."""
+        field = self.field
+        if not self.points:
+            raise InvalidRequest(f"{field} holds no points: send at least the current state", param=field)
+        for i, row in enumerate(self.points):
+            if len(row) != self.dim or not row:
+                raise InvalidRequest(f"{field}[{i}] has {len(row)} values; every point needs the same "
+                                     f"non-zero number ({self.dim} in {field}[0])", param=field)
+            if not all(math.isfinite(x) for x in row):
+                raise InvalidRequest(f"{field}[{i}] holds NaN or infinity: every value must be finite", param=field)
+        if self.noise_seed is not None and not 0 <= self.noise_seed < 2 ** 63:
+            raise InvalidRequest("noise_seed must be between 0 and 2**63 - 1", param="noise_seed")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@attrs.frozen
 class RequestSpec:
     """One request as a caller submits it, before tokenization.
 
@@ -93,6 +153,8 @@ class RequestSpec:
     stream: bool = False
     extras: dict[str, Any] = attrs.field(factory=dict, hash=False)
     request_id: str | None = None
+    #: the past trajectory / state to plan from (trajectory-planning deployments), or None
+    past_trajectory: Trajectory | None = None
     #: variables the chat template receives besides the messages (``enable_thinking``, ``reasoning_effort``)
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
     #: the thinking block the answer may start with; None: the output is all answer
@@ -106,3 +168,5 @@ class RequestSpec:
         if self.messages is not None:
             _check(len(self.messages) > 0, "messages must not be empty")
         self.params.validate()
+        if self.past_trajectory is not None:
+            self.past_trajectory.validate()

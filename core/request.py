@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import attrs
 
@@ -27,7 +28,12 @@ class Request:
     max_tokens: int
     handle: RequestHandle
     detok: IncrementalDetokenizer
-    extras: dict = attrs.field(factory=dict)
+    #: the runtime's per-request state from ``prepare`` (``Prepared.state``); handed to it in ``NewSeq``
+    state: Any = None
+    #: ``Prepared.kv_salt``: what besides the tokens makes this request's KV its own
+    kv_salt: str | None = None
+    #: served whole by the runtime's ``handle_request`` (``Prepared.is_served_whole``)
+    is_served_whole: bool = False
     output_token_ids: list[int] = attrs.field(factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -44,6 +50,10 @@ class Request:
     index: int = 0
     #: times the request left its seat for lack of KV blocks (it is recomputed when seated again)
     num_preemptions: int = 0
+    #: how many of ``block_ids`` the runtime has been sent (the rest go with its next step)
+    num_sent_blocks: int = 0
+    #: the n > 1 request this is one sequence of (the blocking path fans such a request out)
+    group: "RequestGroup | None" = None
 
     @property
     def params(self) -> SamplingParams:
@@ -63,3 +73,12 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+
+@attrs.define(eq=False)
+class RequestGroup:
+    """The sequences of one n > 1 request: counted as one request, finished when the last one is."""
+
+    num_open: int
+    #: whether one of them has taken a seat (the request's queue time is over)
+    is_seated: bool = False

@@ -2,11 +2,16 @@
 
 The scheduler hands the runtime a frozen ``ScheduledStep``; the runtime returns
 a ``StepOutput``. Nothing else crosses: the runtime never sees engine state.
+A step carries only what changed (as vLLM V1's scheduler output): a request
+taking a seat arrives once as a ``NewSeq`` with its tokens and the state its
+``prepare`` made; afterwards each step names only the tokens computed in it and
+the blocks added to its table. The runtime keeps the rest per seat
+(``SeatTable``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -14,9 +19,24 @@ from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
 
 if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
-    from ifb.blocking import AlonePlan
+    from ifb.kv import BlockManager
     from ifb.outputs import RequestOutput
     from ifb.request import Request
+    from ifb.scheduler import PrefixMatcher
+
+
+@attrs.frozen
+class NewSeq:
+    """A request taking a seat (first seated, or back from preemption): sent once, kept by the runtime."""
+
+    request_id: str
+    seat: int
+    #: every token known when it was seated: the prompt, plus what it had generated before a preemption
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    params: SamplingParams
+    #: what the runtime's ``prepare`` returned as ``Prepared.state`` (the engine never reads it)
+    state: Any = None
 
 
 @attrs.frozen
@@ -27,24 +47,68 @@ class ScheduledSeq:
     seat: int
     token_ids: tuple[int, ...]  # the tokens computed this step
     start_pos: int  # == the request's num_computed_tokens before this step
-    block_ids: tuple[int, ...]  # the request's whole block table
+    #: blocks appended to the request's block table since the runtime last heard of it
+    new_block_ids: tuple[int, ...]
     is_sampling: bool  # this chunk reaches the last known token: sample the next one
-    params: SamplingParams
-    num_prompt_tokens: int
-    all_token_ids: tuple[int, ...]  # prompt + generated so far (penalties, seeds)
-    extras: dict[str, Any] = attrs.field(factory=dict, hash=False)  # prepared media, etc.
 
 
 @attrs.frozen
 class ScheduledStep:
     step_id: int
     seqs: tuple[ScheduledSeq, ...]
-    #: seats taken by a new request this step: per-seat state must start clean
-    reset_seats: tuple[int, ...] = ()
+    #: requests seated since the last step: their per-seat state starts clean
+    new_seqs: tuple[NewSeq, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def reset_seats(self) -> tuple[int, ...]:
+        """Seats taken by a new request this step (their per-seat state must start clean)."""
+        return tuple(s.seat for s in self.new_seqs)
+
+
+@attrs.define(eq=False)
+class Seat:
+    """A runtime's record of one seated request, kept up to date from each step (``SeatTable``)."""
+
+    request_id: str
+    seat: int
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int]  # the prompt and the tokens generated so far, as far as the runtime has seen them
+    block_ids: list[int] = attrs.field(factory=list)
+    state: Any = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+
+class SeatTable:
+    """The per-seat state a runtime keeps from the steps' diffs: token history, block table, prepared state."""
+
+    def __init__(self) -> None:
+        self.seats: dict[str, Seat] = {}
+
+    def apply(self, step: ScheduledStep) -> list[Seat]:
+        """Take in the step's new requests and growth; return each of ``step.seqs``' seat, in order."""
+        for new in step.new_seqs:
+            self.seats[new.request_id] = Seat(new.request_id, new.seat, new.params, new.num_prompt_tokens,
+                                              list(new.token_ids), state=new.state)
+        out = []
+        for seq in step.seqs:
+            seat = self.seats[seq.request_id]
+            seat.block_ids.extend(seq.new_block_ids)
+            known = len(seat.token_ids) - seq.start_pos
+            if known < len(seq.token_ids):  # a decode token the runtime sampled itself: now in the history
+                seat.token_ids.extend(seq.token_ids[max(known, 0):])
+            out.append(seat)
+        return out
+
+    def release(self, request_id: str) -> None:
+        self.seats.pop(request_id, None)
 
 
 @attrs.frozen
@@ -65,7 +129,14 @@ class Prepared:
     """A request after tokenization (and media encoding), ready to be queued."""
 
     prompt_token_ids: tuple[int, ...]
-    extras: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    #: the runtime's own per-request state (a typed object of its choosing); it comes back in ``NewSeq.state``
+    state: Any = attrs.field(default=None, eq=False)
+    #: what besides the tokens makes this request's KV its own (media, an adapter): the context cache keys
+    #: its blocks by it, so equal token ids under another salt never share KV
+    kv_salt: str | None = None
+    #: the runtime serves this request whole, itself (``handle_request``), not step by step; only where
+    #: requests run one at a time (the blocking path)
+    is_served_whole: bool = False
 
 
 @runtime_checkable
@@ -80,19 +151,16 @@ class Tokenizer(Protocol):
 
 
 class Runtime(Protocol):
-    """What a plugin's ``load`` returns: exactly what the engines call and read.
+    """What a plugin's ``load`` returns: exactly what the engine calls and reads.
 
-    ``RequestEngine`` (in-flight batching) calls ``prepare`` from submitting
-    threads and ``execute`` and ``release`` from its one actor thread;
-    ``BlockingEngine`` calls ``prepare`` from submitting threads and then, from
-    its worker thread, one request at a time: ``handle_request`` where the
-    runtime has one (a runtime without stepped execution,
-    ``caps.stepped_execution`` false), else the optional ``plan_alone`` and
-    then ``execute`` and ``release`` (``ifb.blocking.serve_alone``). A
-    runtime without stepped execution needs no ``execute``; its ``release`` is
-    never called. Both engines read the attributes below; ``num_kv_blocks``
-    and ``kv_block_size`` size the engine's block bookkeeping (the runtime
-    owns the tensors) and bound the prompt a request may bring.
+    ``RequestEngine`` calls ``prepare`` from submitting threads, and everything
+    else from its one actor thread: ``execute`` once per step and ``release``
+    when a request leaves its seat. On the blocking path (one seat) it is the
+    same engine; a runtime without stepped execution (``caps.stepped_execution``
+    false), and a request whose ``Prepared.is_served_whole`` is set, is served
+    through ``handle_request`` in that seat instead of ``execute``.
+    ``num_kv_blocks`` and ``kv_block_size`` size the engine's block bookkeeping
+    (the runtime owns the tensors) and bound the prompt a request may bring.
     """
 
     model_name: str
@@ -108,26 +176,30 @@ class Runtime(Protocol):
     def execute(self, step: ScheduledStep) -> StepOutput:
         """Run one forward over the step's tokens and sample where ``is_sampling`` asks.
 
-        ``step.reset_seats`` name seats whose per-seat state must start clean;
-        a sequence's ``start_pos`` may go back to 0 for a request that was
-        preempted and is being recomputed.
+        ``step.new_seqs`` are requests seated since the last step (their seats'
+        state must start clean); a request back from preemption arrives there
+        again with every token it had, and is recomputed from position 0.
         """
 
     def release(self, request_id: str, seat: int) -> None:
         """A request left its seat: finished, cancelled, failed or preempted (it may come back)."""
 
-    def plan_alone(self, request: Request) -> AlonePlan:
-        """Optional, stepped runtimes: what serving ``request`` alone on the blocking path adds.
+    def blocking_prefix(self, blocks: BlockManager) -> PrefixMatcher:
+        """Optional: the runtime's own prefix reuse on the blocking path, over the engine's ``blocks``
+        (the legacy system-prompt capture); asked once, when the deployment is built."""
 
-        Called once per request before its first step; it runs no step of its own
-        (it may compute a prefix's KV, as a system-prompt capture does). Without it
-        the request is served with ``AlonePlan()``: a fresh pool, nothing added.
+    def finish_output(self, request: Request, output: RequestOutput) -> Sequence[RequestOutput]:
+        """Optional: the outputs that replace a request's final one (the answer spoken).
+
+        Called on the actor thread when a request finishes with ``stop`` or
+        ``length``; the last output returned must be ``finished``.
         """
 
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
-        """Runtimes without stepped execution: serve one request alone; yield its outputs, the last ``finished``.
+        """Serve one request whole, alone in its seat; yield its outputs, the last ``finished``.
 
-        ``request`` is the engine's ``Request`` built from ``spec`` and this
-        runtime's ``prepare``: its ``prompt_token_ids`` and ``extras`` are the
-        prepared ones. A stepped runtime leaves it out (``plan_alone`` says what it adds).
+        For runtimes without stepped execution, and requests prepared with
+        ``is_served_whole``. ``request`` is the engine's ``Request`` built from
+        ``spec`` and this runtime's ``prepare`` (``request.state`` is the
+        prepared state); check ``request.handle.cancelled`` between outputs.
         """

@@ -9,7 +9,14 @@ queue, where they are recomputed from their prompt plus the tokens they have
 already generated (nothing streamed is sent again). ``update(step, output)``
 advances the requests of that step, streams their tokens and frees what
 finished. The scheduler never touches a model: it exchanges frozen steps and
-outputs. It is also the only code that moves its counters.
+outputs, and a step carries only what changed (a seated request's tokens and
+state once, then per step its new tokens and blocks). It is also the only code
+that moves its counters.
+
+The blocking path is this scheduler with one seat: requests run one at a time,
+a request waiting longer than ``queue_timeout`` fails with ``QUEUE_TIMEOUT``, and
+an n > 1 request is fanned out into its sequences, which run one after another
+and are counted as one request.
 """
 
 from __future__ import annotations
@@ -18,13 +25,15 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+
+import attrs
+from typing import Callable, Iterable, Protocol
 
 from ifb.counters import SchedulingCounters
 from ifb.kv import BlockManager
-from ifb.outputs import Deliveries, RequestOutput, TokenLogprob
-from ifb.request import Request, Status
-from ifb.runtime import ScheduledSeq, ScheduledStep, StepOutput, Tokenizer
+from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
+from ifb.request import Request, RequestGroup, Status
+from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, StepOutput, Tokenizer
 
 log = logging.getLogger("ifb.scheduler")
 
@@ -63,6 +72,8 @@ class Scheduler:
         release: Callable[[Request], None] = lambda r: None,
         prefix: PrefixMatcher | None = None,
         watermark: int | None = None,
+        queue_timeout: float | None = None,
+        finish_output: Callable[[Request, RequestOutput], Iterable[RequestOutput]] | None = None,
     ):
         if token_budget < num_seats:
             raise ValueError(f"the token budget ({token_budget}) must cover one decode token per seat ({num_seats})")
@@ -79,6 +90,10 @@ class Scheduler:
         self.static_batching = static_batching
         self.release = release
         self.prefix = prefix
+        #: seconds a request may wait for its first seat before it fails (None: no limit)
+        self.queue_timeout = queue_timeout
+        #: the runtime's replacement of a finishing request's final output (``Runtime.finish_output``)
+        self.finish_output = finish_output
         #: free blocks a joiner must leave beyond its prefill, plus one per resident (room to grow)
         self.watermark = default_watermark(blocks.num_blocks) if watermark is None else watermark
         self.waiting: collections.deque[Request] = collections.deque()
@@ -97,14 +112,19 @@ class Scheduler:
         self._inbox_lock = threading.Lock()
         #: while update() runs: async consumers' outputs, handed over once at its end
         self._deliveries: Deliveries | None = None
+        #: requests seated since the last step was built: they go to the runtime once, as ``NewSeq``
+        self._new: dict[str, Request] = {}
 
     # ---- intake ----
-    def submit(self, request: Request, max_in_system: int | None = None) -> bool:
-        """Count and queue a request from any thread; False (counted refused) when the system is full."""
+    def submit(self, request: Request | list[Request], max_in_system: int | None = None) -> bool:
+        """Count and queue a request from any thread; False (counted refused) when the system is full.
+
+        A list is the sequences of one n > 1 request (``fan_out``): counted as one.
+        """
         with self._inbox_lock:
             if not self.counters.submit(max_in_system):
                 return False
-            self._inbox.append(request)
+            self._inbox.extend(request if isinstance(request, list) else [request])
         return True
 
     def add(self, request: Request) -> None:
@@ -150,7 +170,7 @@ class Scheduler:
             return "stalls_no_capacity"
         return None
 
-    def _admit_at_boundary(self, reset_seats: list[int]) -> str | None:
+    def _admit_at_boundary(self) -> str | None:
         """Seat queue heads while they may join; return why the head (if any) stays queued."""
         founding = not self.running
         while self.waiting:
@@ -166,7 +186,6 @@ class Scheduler:
             if not self.running and self.batch_wide_length:
                 self._fit_founder(head)
             self._seat(head, mid_flight=not founding)
-            reset_seats.append(head.seat)
         return None
 
     def _fit_founder(self, head: Request) -> None:
@@ -190,11 +209,17 @@ class Scheduler:
             self._batch_key = head.params.batch_key()
             self._batch_length = head.max_tokens
         self.running.append(head)
-        if head.num_preemptions:
+        head.num_sent_blocks = 0
+        self._new[head.request_id] = head
+        if head.group is not None and head.group.is_seated:
+            head.admitted_time = now  # a later sequence of a request already counted as seated
+        elif head.num_preemptions:
             self.counters.seat(None, mid_flight)  # coming back: its queue latency was counted once
         else:
             head.admitted_time = now
             self.counters.seat(int((now - head.arrival_time) * 1e6), mid_flight)
+        if head.group is not None:
+            head.group.is_seated = True
 
     # ---- boundary ----
     def schedule(self) -> ScheduledStep | None:
@@ -202,9 +227,10 @@ class Scheduler:
         self._take_inbox()
         for request in [r for r in (*self.running, *self.waiting) if r.handle.cancelled.is_set()]:
             self.finish(request, "cancelled")
+        if self.queue_timeout is not None:
+            self._time_out_waiting()
         while True:
-            reset_seats: list[int] = []
-            head_reason = self._admit_at_boundary(reset_seats)
+            head_reason = self._admit_at_boundary()
             self.exclusions = {}
             for i, r in enumerate(self.waiting):
                 self.exclusions[r.request_id] = head_reason if i == 0 else "behind the queue head (FCFS)"
@@ -214,10 +240,23 @@ class Scheduler:
             if shares:
                 break
             # everyone planned was preempted or ran out of cache: the next boundary now
-        seats = {r.seat for r in self.running}
         self.num_steps += 1
+        new, self._new = self._new, {}
+        new_seqs = tuple(NewSeq(request_id=r.request_id, seat=r.seat, token_ids=tuple(r.all_token_ids()),
+                                num_prompt_tokens=r.num_prompt_tokens, params=r.params, state=r.state)
+                         for r in new.values())
         return ScheduledStep(step_id=self.num_steps, seqs=tuple(self._scheduled_seq(r, n) for r, n in shares),
-                             reset_seats=tuple(s for s in reset_seats if s in seats))
+                             new_seqs=new_seqs)
+
+    def _time_out_waiting(self) -> None:
+        """Fail each queued request that has waited past the queue time-out for its first seat."""
+        now = time.monotonic()
+        for r in list(self.waiting):
+            if r.num_preemptions or (r.group is not None and r.group.is_seated):
+                continue  # it has had a seat: its wait is over
+            if now - r.arrival_time > self.queue_timeout:
+                self.finish(r, "error", error=f"timed out after {self.queue_timeout:g} s in the queue",
+                            error_code=QUEUE_TIMEOUT)
 
     def _plan(self) -> list[tuple[Request, int]]:
         """Each resident's share of the step: decode tokens first, then prefill chunks in admission order."""
@@ -283,11 +322,13 @@ class Scheduler:
         # victims leave youngest first, so putting each at the head keeps the queue in arrival order
         self.waiting.appendleft(r)
         self.exclusions[r.request_id] = "preempted: the KV pool ran out"
-        self.counters.preempt()
+        if r.group is None:
+            self.counters.preempt()
         log.debug("preempted %s (%d tokens to recompute)", r.request_id, r.num_tokens)
 
     def _vacate(self, r: Request) -> None:
         self.running.remove(r)
+        self._new.pop(r.request_id, None)
         self.blocks.free(r.block_ids)
         r.block_ids = []
         self._free_seats.append(r.seat)
@@ -300,13 +341,19 @@ class Scheduler:
 
     def _scheduled_seq(self, r: Request, num_new: int) -> ScheduledSeq:
         start = r.num_computed_tokens
-        all_ids = r.all_token_ids()
-        return ScheduledSeq(
-            request_id=r.request_id, seat=r.seat, token_ids=tuple(all_ids[start:start + num_new]),
-            start_pos=start, block_ids=tuple(r.block_ids), is_sampling=start + num_new == len(all_ids),
-            params=r.params, num_prompt_tokens=r.num_prompt_tokens, all_token_ids=tuple(all_ids),
-            extras=r.extras,
-        )
+        num_prompt = r.num_prompt_tokens
+        # the tokens computed this step, without copying the history: a slice of the prompt, of the
+        # output, or (a chunk that crosses from one to the other) of both
+        if start + num_new <= num_prompt:
+            token_ids = tuple(r.prompt_token_ids[start:start + num_new])
+        elif start >= num_prompt:
+            token_ids = tuple(r.output_token_ids[start - num_prompt:start - num_prompt + num_new])
+        else:
+            token_ids = tuple(r.prompt_token_ids[start:]) + tuple(r.output_token_ids[:start + num_new - num_prompt])
+        new_block_ids = tuple(r.block_ids[r.num_sent_blocks:])
+        r.num_sent_blocks = len(r.block_ids)
+        return ScheduledSeq(request_id=r.request_id, seat=r.seat, token_ids=token_ids, start_pos=start,
+                            new_block_ids=new_block_ids, is_sampling=start + num_new == r.num_tokens)
 
     # ---- results ----
     def update(self, step: ScheduledStep, output: StepOutput) -> None:
@@ -354,7 +401,7 @@ class Scheduler:
             text = r.detok.release(final=False)
             token_ids, logprobs = r.detok.release_tokens(final=False)
             r.handle.push(RequestOutput(
-                request_id=r.request_id, text=text, token_ids=token_ids,
+                request_id=r.handle.request_id, text=text, token_ids=token_ids,
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
                 logprobs=logprobs, index=r.index,
             ), self._deliveries)
@@ -374,9 +421,14 @@ class Scheduler:
             if r is not None and r.status is not Status.FINISHED:
                 self.finish(r, "error", error=message)
 
-    def finish(self, r: Request, reason: str, *, error: str | None = None,
-               token_ids: tuple[int, ...] = (), logprobs: tuple = ()) -> None:
-        """Move a request to its one terminal state and free its seat and blocks."""
+    def finish(self, r: Request, reason: str, *, error: str | None = None, error_code: str | None = None,
+               token_ids: tuple[int, ...] = (), logprobs: tuple = (),
+               final: RequestOutput | None = None) -> None:
+        """Move a request to its one terminal state and free its seat and blocks.
+
+        ``final`` is the request's last output when it was made elsewhere (a request served whole);
+        otherwise it is built here from what is still held back.
+        """
         was = r.status
         if was is Status.FINISHED:
             return
@@ -387,21 +439,39 @@ class Scheduler:
             self._vacate(r)
         else:
             self.waiting.remove(r)
-        self.counters.end(reason, was_resident=was is Status.RUNNING, num_prompt_tokens=r.num_prompt_tokens)
-        if reason in ("stop", "length"):
-            r.detok.flush()
+        group = r.group
+        if group is not None:
+            group.num_open -= 1
+        if group is None or group.num_open == 0:
+            self.counters.end(reason, was_resident=was is Status.RUNNING or (group is not None and group.is_seated),
+                              num_prompt_tokens=r.num_prompt_tokens)
+        is_made_here = final is None
+        if final is None:
+            if reason in ("stop", "length"):
+                r.detok.flush()
+            text = r.detok.release(final=True)
+            held_ids, held_logprobs = r.detok.release_tokens(final=True)
+            final = RequestOutput(
+                request_id=r.handle.request_id, text=text, token_ids=held_ids + token_ids,
+                finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
+                num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
+                logprobs=held_logprobs + logprobs, error=error, error_code=error_code, index=r.index,
+                stop_string=r.detok.matched_stop if reason == "stop" else None,
+            )
         now = time.monotonic()
         for listener in self.listeners:
             listener.on_finish(r, now)
-        text = r.detok.release(final=True)
-        held_ids, held_logprobs = r.detok.release_tokens(final=True)
-        r.handle.push(RequestOutput(
-            request_id=r.request_id, text=text, token_ids=held_ids + token_ids,
-            finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
-            logprobs=held_logprobs + logprobs, error=error, index=r.index,
-            stop_string=r.detok.matched_stop if reason == "stop" else None,
-        ), self._deliveries)
+        outputs: Iterable[RequestOutput] = (final,)
+        if self.finish_output is not None and is_made_here and reason in ("stop", "length"):
+            try:
+                outputs = list(self.finish_output(r, final))
+            except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+                log.exception("finishing %s failed", r.request_id)
+                outputs = (attrs.evolve(final, finish_reason="error", error=f"{type(exc).__name__}: {exc}"),)
+        for out in outputs:
+            if group is not None:  # one of n sequences: the request ends with the last of them
+                out = attrs.evolve(out, finished=out.finished and group.num_open == 0)
+            r.handle.push(out, self._deliveries)
 
     def shutdown(self) -> None:
         """Cancel everything still queued or seated (the engine is stopping)."""

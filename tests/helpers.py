@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import attrs
+
+from ifb.params import SamplingParams
+from ifb.runtime import NewSeq, Prepared, ScheduledSeq, ScheduledStep, Seat
 
 
 def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0):
@@ -24,3 +30,60 @@ def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0):
         while engine.scheduler.num_steps < target and not handle.done.is_set() and time.monotonic() < deadline:
             time.sleep(0.0005)
     return [h.result() for h in handles]
+
+
+@attrs.frozen
+class Seq:
+    """A sequence's whole share of a hand-built step, as a test describes it (``StepBuilder`` sends the diff)."""
+
+    request_id: str
+    seat: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    is_sampling: bool
+    params: SamplingParams
+    num_prompt_tokens: int
+    all_token_ids: tuple[int, ...]
+    state: Any = None
+
+
+class StepBuilder:
+    """Hand-built steps as the scheduler sends them: a request the runtime has not seen (or one in a seat
+    named in ``reset_seats``) arrives as a ``NewSeq``, and each step carries only the blocks not sent yet."""
+
+    def __init__(self) -> None:
+        self.num_sent_blocks: dict[str, int] = {}
+
+    def step(self, step_id: int, seqs: tuple[Seq, ...] | list[Seq], reset_seats: tuple[int, ...] = ()) -> ScheduledStep:
+        new, scheduled = [], []
+        for s in seqs:
+            if s.request_id not in self.num_sent_blocks or s.seat in reset_seats:
+                self.num_sent_blocks[s.request_id] = 0
+                new.append(NewSeq(request_id=s.request_id, seat=s.seat, token_ids=tuple(s.all_token_ids),
+                                  num_prompt_tokens=s.num_prompt_tokens, params=s.params, state=s.state))
+            sent = self.num_sent_blocks[s.request_id]
+            self.num_sent_blocks[s.request_id] = len(s.block_ids)
+            scheduled.append(ScheduledSeq(request_id=s.request_id, seat=s.seat, token_ids=tuple(s.token_ids),
+                                          start_pos=s.start_pos, new_block_ids=tuple(s.block_ids[sent:]),
+                                          is_sampling=s.is_sampling))
+        return ScheduledStep(step_id=step_id, seqs=tuple(scheduled), new_seqs=tuple(new))
+
+
+def prefill_step(prepared: Prepared, block_ids: tuple[int, ...], params: SamplingParams,
+                 request_id: str = "r", step_id: int = 1) -> ScheduledStep:
+    """One step that prefills a prepared prompt whole into ``block_ids`` and samples its next token."""
+    ids = tuple(prepared.prompt_token_ids)
+    return StepBuilder().step(step_id, [Seq(request_id, 0, ids, 0, tuple(block_ids), True, params, len(ids), ids,
+                                            prepared.state)])
+
+
+def one_seat_step(prepared: Prepared, block_ids: tuple[int, ...], params: SamplingParams,
+                  request_id: str = "r") -> tuple[ScheduledStep, list[Seat]]:
+    """A one-sequence prefill step of a prepared prompt and the runtime's record of its seat, for calling a
+    runtime's step parts (``step_positions``, ``step_embeddings``) directly."""
+    ids = tuple(prepared.prompt_token_ids)
+    seat = Seat(request_id, 0, params, len(ids), list(ids), list(block_ids), prepared.state)
+    seq = ScheduledSeq(request_id=request_id, seat=0, token_ids=ids, start_pos=0, new_block_ids=tuple(block_ids),
+                       is_sampling=True)
+    return ScheduledStep(step_id=0, seqs=(seq,)), [seat]

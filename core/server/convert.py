@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ifb.options import text_only_message
-from ifb.params import RequestSpec, SamplingParams
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
 from ifb.server import reasoning as thinking
 from ifb.server import tools
 from ifb.server.errors import ApiError
@@ -155,6 +155,7 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
             extras["audio"] = {k: v for k, v in converter.unstructure(body.audio).items() if v is not None}
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    trajectory = _trajectory(body)
     messages = [_message(m, i, takes_media) for i, m in enumerate(body.messages)]
     if plan is not None:
         grammar = tools.forcing_grammar(plan)
@@ -173,10 +174,37 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
     spec = RequestSpec(
         messages=tuple(messages),
         params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
-        stream=body.stream, extras=extras, chat_template_kwargs=kwargs,
+        stream=body.stream, extras=extras, past_trajectory=trajectory, chat_template_kwargs=kwargs,
         thinking=thinking.thinking_block(reasoning, kwargs),
     )
     return spec, plan
+
+
+def _trajectory(body: ChatCompletionRequest) -> Trajectory | None:
+    """The request's one trajectory content part (and ``noise_seed``), checked for shape and finiteness."""
+    found = None
+    for i, message in enumerate(body.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "trajectory":
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if part.trajectory is None:
+                raise ApiError(400, "a content part of type trajectory needs a trajectory field "
+                                    "(a list of points, each a list of numbers)", param=where)
+            if found is not None:
+                raise ApiError(400, f"one trajectory per request: {found.field} already carries one",
+                               param=f"{where}.trajectory")
+            found = Trajectory.of(part.trajectory, body.noise_seed, field=f"{where}.trajectory")
+    if found is None:
+        if body.noise_seed is not None:
+            raise ApiError(400, "noise_seed seeds a trajectory plan: send a trajectory content part with it",
+                           param="noise_seed")
+        return None
+    try:
+        found.validate()
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return found
 
 
 def _tool_plan(body: ChatCompletionRequest, template: str | None) -> tools.ToolPlan | None:
@@ -228,10 +256,12 @@ def _content(content: Any, index: int, takes_media: bool = True) -> Any:
     parts = []
     for j, part in enumerate(content):
         where = f"messages[{index}].content[{j}]"
+        if part.type == "trajectory":  # taken out of the messages by ``_trajectory``
+            continue
         field = {"text": "text", "image_url": "image_url", "input_audio": "input_audio"}.get(part.type)
         if field is None:
-            raise ApiError(400, f"unknown content part type {part.type!r} (text, image_url or input_audio)",
-                           param=f"{where}.type")
+            raise ApiError(400, f"unknown content part type {part.type!r} (text, image_url, input_audio "
+                                "or trajectory)", param=f"{where}.type")
         if getattr(part, field) is None:
             raise ApiError(400, f"a content part of type {part.type} needs a {field} field", param=where)
         if field != "text" and not takes_media:

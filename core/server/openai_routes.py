@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from ifb.outputs import RequestHandle, RequestOutput
+from ifb.outputs import QUEUE_TIMEOUT, RequestHandle, RequestOutput
 from ifb.params import RequestSpec
 from ifb.server.convert import chat_request, completion_spec
 from ifb.server.errors import ApiError
@@ -69,10 +69,12 @@ async def until_disconnect(request: Request, handle: RequestHandle,
     return "value" in outcome, outcome.get("value")
 
 
-def _failure(out: RequestOutput) -> ApiError:
-    """The error a request the engine failed answers with (before anything was sent)."""
-    status = int(out.extras.get("status", 500)) if out.extras else 500
-    return ApiError(status, out.error or "the request failed", code="engine_full" if status == 429 else None)
+def engine_error(out: RequestOutput, default: str = "the request failed") -> ApiError:
+    """The error a request the engine failed answers with (before anything was sent): 429 for one that
+    timed out in the queue (back-pressure), else 500."""
+    if out.error_code == QUEUE_TIMEOUT:
+        return ApiError(429, out.error or default, code="engine_full")
+    return ApiError(500, out.error or default)
 
 
 def _sse(data: dict[str, Any] | str | tuple[str, dict[str, Any]]) -> bytes:
@@ -197,7 +199,7 @@ async def _answer(request: Request, stream: bool, renderer: Renderer, handle: Re
         return Response(status_code=499)  # nobody is listening; the request is cancelled
     timer.observe(first)
     if first.finish_reason == "error":
-        raise _failure(first)
+        raise engine_error(first)
     if stream:
         return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
     return await _complete(request, renderer, first, outputs, handle, timer)
@@ -214,7 +216,7 @@ async def _complete(request: Request, renderer: Renderer, first: RequestOutput,
             timer.observe(out)
             collected.add(out)
             if out.finish_reason == "error":
-                raise _failure(out)
+                raise engine_error(out)
 
     try:
         if not first.finished:
@@ -236,7 +238,7 @@ async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterat
         out: RequestOutput | None = first
         while out is not None:
             if out.finish_reason == "error":
-                yield _sse(renderer.error_event(_failure(out)))
+                yield _sse(renderer.error_event(engine_error(out)))
                 handle.cancel()
                 break
             for chunk in renderer.delta(out, collected.add(out)):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import math
+import time
+import uuid
 from typing import Any
 
 import attrs
 
-from ifb.outputs import RequestOutput, TokenLogprob
+from ifb.outputs import AudioOutput, RequestOutput, TokenLogprob
 from ifb.params import ThinkingBlock
 from ifb.server.answer import AnswerStream, whole
 from ifb.server.tools import ToolPlan
@@ -22,7 +25,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
-    extras: dict = attrs.field(factory=dict)
+    #: OpenAI's ``message.audio`` when the answer was spoken
+    audio: dict | None = None
+    output_trajectory: tuple[tuple[float, ...], ...] | None = None
     stop_string: str | None = None  # the stop string that ended it
 
 
@@ -43,8 +48,10 @@ class Collected:
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
             seq.stop_string = out.stop_string
-        if out.extras:
-            seq.extras.update(out.extras)
+        if out.audio is not None:
+            seq.audio = chat_audio(out.audio)
+        if out.output_trajectory is not None:
+            seq.output_trajectory = out.output_trajectory
         self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
         return seq
 
@@ -54,9 +61,23 @@ class Collected:
                 "total_tokens": self.num_prompt_tokens + completion}
 
 
+#: how long a spoken answer's audio id stays valid, as OpenAI's ``expires_at`` says it
+AUDIO_TTL_S = 3600
+
+
+def chat_audio(audio: AudioOutput) -> dict:
+    """OpenAI's ``choices[0].message.audio``: ``{id, data (base64), expires_at, transcript}``."""
+    return {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(audio.data).decode("ascii"),
+            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": audio.transcript}
+
+
 def _finite(logprob: float) -> float:
     # JSON has no -inf; a token the sampler ruled out gets a very low finite value instead
     return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _trajectory(points: tuple[tuple[float, ...], ...]) -> list[list[float]]:
+    return [list(point) for point in points]
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -216,8 +237,10 @@ class ChatRenderer(Renderer):
             delta["reasoning_content"] = thought
         if text or not (out.finish_reason or thought):
             delta["content"] = text
-        if out.finish_reason and "audio" in seq.extras:
-            delta["audio"] = seq.extras["audio"]
+        if out.finish_reason and seq.audio is not None:
+            delta["audio"] = seq.audio
+        if out.finish_reason and seq.output_trajectory is not None:
+            delta["output_trajectory"] = _trajectory(seq.output_trajectory)
         if chunks and (text or thought):  # content first, then the calls, then the finish
             return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
                     *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
@@ -240,8 +263,10 @@ class ChatRenderer(Renderer):
             if answer.calls:
                 message["tool_calls"] = [c.to_openai() for c in answer.calls]
                 reason = "tool_calls" if reason == "stop" else reason
-            if "audio" in seq.extras:
-                message["audio"] = seq.extras["audio"]
+            if seq.audio is not None:
+                message["audio"] = seq.audio
+            if seq.output_trajectory is not None:
+                message["output_trajectory"] = _trajectory(seq.output_trajectory)
             choices.append({
                 "index": seq.index, "message": message,
                 "logprobs": chat_logprobs(seq.logprobs) if self.wants_logprobs else None,

@@ -60,10 +60,12 @@ class InputAudio:
 
 @attrs.frozen
 class ContentPart:
-    type: str  # text | image_url | input_audio
+    type: str  # text | image_url | input_audio | trajectory (ifb: the past trajectory / robot state)
     text: str | None = None
     image_url: ImageUrl | None = None
     input_audio: InputAudio | None = None
+    #: points oldest first, each a list of numbers; one point is the current state
+    trajectory: list[list[float]] | None = None
 
 
 @attrs.frozen
@@ -186,6 +188,8 @@ class ChatCompletionRequest:
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # ifb: the seed of a trajectory plan's initial noise (with a trajectory content part)
+    noise_seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -160,9 +160,9 @@ class AppState:
         try:
             return await run_in_threadpool(self._submit_now, spec)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+            raise ApiError(400, str(exc), param=exc.param or _param_of(str(exc))) from None
         except RequestRejected as exc:
-            raise ApiError(400, str(exc), code="unsupported_option") from None
+            raise ApiError(400, str(exc), param=exc.param, code="unsupported_option") from None
         except EngineFull as exc:
             raise ApiError(429, f"{exc}; retry later", code="engine_full") from None
 

@@ -8,36 +8,35 @@ Its public API is what this package exports (``__all__``, imported lazily, so th
 
     from ifb_plugins.common import TextRuntime, load_checkpoint, build_model, text_options
 
-and the names without a leading underscore of the modules in ``PUBLIC_MODULES``:
+and the names without a leading underscore of the modules in ``PUBLIC_MODULES``, one package per
+kind of thing:
 
-- ``caps``: the declarations every deployment on ``TextRuntime`` shares (``text_options``,
-  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``);
-- ``runtime``: ``TextRuntime``, the paged-KV stepped runtime base (``KV_BLOCK_SIZE``,
-  ``kv_capacity_tokens``);
-- ``sampling``: ``sample_step``, per-sequence sampling of a step's logits;
-- ``tokenizer`` and ``prompt``: ``TextTokenizer``, chat rendering with the checkpoint's template,
-  ``prompt_token_ids``;
-- ``config``, ``loader``, ``hf_loader``, ``gguf_loader``: ``TextModelConfig``, reading Hugging Face
-  safetensors directories and GGUF files into a ``TextModel``;
-- ``model`` and ``attention``: the Llama-family decoder (``TextModel``, ``RMSNorm``, RoPE) over a
-  paged KV cache (``AttnMetadata``, ``build_attn_metadata``, ``write_kv``);
-- ``media`` and ``mel``: OpenAI-style image / audio content parts (parsing, inline or local
-  fetching, decoding: ``parse_messages``, ``MediaItem``) and Whisper's log-mel features in numpy
-  (``log_mel_features``, ``resample_linear``); ``media_prompt``: media placeholders expanded at
-  admission and their embeddings spliced into a step (``expand_media``, ``splice_embeddings``);
-- ``vision``, ``qwen2_5_vl_vision``, ``qwen3_vl_vision``: vision towers (CLIP / SigLIP, Qwen2.5-VL's,
-  Qwen3-VL's, which Qwen3-Omni's Thinker shares) and ``image_ops``, ``qwen2_5_vl_image``: their image
-  preprocessing (Qwen2-VL's smart resize and patches); ``deepstack``: the decoder that adds
-  Qwen3-VL's DeepStack features after its first layers;
-- ``mrope``: M-RoPE (Qwen2-VL / Qwen3-VL): per-token ``[3, T]`` positions for media prompts and the
-  sectioned rotary;
-- ``moe``: sparse mixture-of-experts layers (``SparseMoE``: router, routed experts, Qwen2-MoE's
-  gated shared expert; ``route``; ``fuse_expert_state`` for checkpoints' expert layouts);
-- ``quant``, ``quant_torch``, ``qkernels``, ``native_decoder``, ``triton_kernels``: the GGUF-block
-  linear layers and their kernels (the C sources of ``qkernels`` live in ``csrc/``);
-- ``lora``, ``guided``, ``syscache``: adapters, guided decoding, the legacy system-prompt capture;
-- ``testing``, ``testing_moe``: tokenizers and tiny models for plugin tests (``testing_moe``:
-  transformers-built MoE checkpoints and their GGUF as llama.cpp writes it).
+- ``runtime``: ``text`` (``TextRuntime``, the paged-KV stepped runtime base: ``KV_BLOCK_SIZE``,
+  ``kv_capacity_tokens``), ``caps`` (what every deployment on it declares: ``text_options``,
+  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``), ``lora`` (adapters) and
+  ``syscache`` (the legacy system-prompt capture);
+- ``decoding``: ``sampling`` (``sample_step``, per-sequence sampling of a step's logits) and
+  ``guided`` (grammar-constrained decoding);
+- ``chat``: ``tokenizer`` (``TextTokenizer``) and ``prompt`` (chat rendering with the checkpoint's
+  template, ``prompt_token_ids``);
+- ``models``: ``config`` (``TextModelConfig``), ``decoder`` (the Llama-family ``TextModel`` over a
+  paged KV cache, ``RMSNorm``, RoPE), ``deepstack`` (Qwen3-VL's DeepStack decoder) and
+  ``native_decoder`` (the whole stack as one native call per step);
+- ``layers``: ``attention`` (paged attention: ``AttnMetadata``, ``build_attn_metadata``,
+  ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
+  ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
+- ``loading``: ``checkpoint`` (``load_checkpoint``, ``build_model``: a ``.gguf`` file or a Hugging
+  Face directory), ``hf`` and ``gguf``;
+- ``quant``: ``linear`` (the GGUF-block linear layers), ``blocks`` (their integer reference in
+  torch), ``int4_torch`` (torch's packed int4 fallback) and ``kernels`` (the native kernels; their C
+  sources live in ``quant/csrc/``);
+- ``media``: ``parts`` (OpenAI-style image / audio content parts: ``parse_messages``,
+  ``MediaItem``), ``prompt`` (placeholders expanded at admission, embeddings spliced per step),
+  ``mel`` (Whisper's log-mel features), ``image_ops`` and ``qwen2_5_vl_image`` (image
+  preprocessing as the models' processors compute it), and the vision towers ``vision`` (CLIP /
+  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``.
+
+Test fixtures (tiny reference-built checkpoints) live in the test tree (``tests/models``), not here.
 
 ``tests/plugins/test_imports.py`` holds every plugin to this: it fails on an import of another
 plugin's module, of a module not listed here, or of a private name.
@@ -50,25 +49,30 @@ from typing import Any
 
 #: the modules whose public names (no leading underscore) a plugin may import
 PUBLIC_MODULES = (
-    "caps", "runtime", "sampling", "tokenizer", "prompt", "config", "loader", "hf_loader", "gguf_loader",
-    "model", "attention", "media", "media_prompt", "mel", "vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "image_ops",
-    "qwen2_5_vl_image", "deepstack", "moe", "mrope", "quant", "quant_torch", "qkernels", "native_decoder", "triton_kernels", "lora",
-    "guided", "syscache", "testing", "testing_moe",
+    "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling",
+    "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
+    "models.deepstack", "models.native_decoder", "layers.moe", "layers.attention", "layers.mrope",
+    "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear",
+    "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
+    "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
+    "media.qwen3_vl_vision",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from
 _EXPORTS = {
-    "MAX_BUILT_BATCH": "caps", "TEXT_ENDPOINTS": "caps", "TEXT_RUNTIME_SETTINGS": "caps", "text_options": "caps",
-    "TextRuntime": "runtime", "KV_BLOCK_SIZE": "runtime", "DEFAULT_MAX_MODEL_LEN": "runtime",
-    "kv_capacity_tokens": "runtime",
-    "SeqSample": "sampling", "sample_step": "sampling",
-    "TextTokenizer": "tokenizer", "prompt_token_ids": "prompt", "render_chat": "prompt",
-    "TextModelConfig": "config",
-    "LoadedCheckpoint": "loader", "load_checkpoint": "loader", "build_model": "loader",
-    "load_hf_state_dict": "hf_loader", "read_gguf_tensors": "gguf_loader",
-    "TextModel": "model", "RMSNorm": "model",
-    "AttnMetadata": "attention", "build_attn_metadata": "attention", "write_kv": "attention",
-    "LoraSet": "lora",
+    "MAX_BUILT_BATCH": "runtime.caps", "TEXT_ENDPOINTS": "runtime.caps", "TEXT_RUNTIME_SETTINGS": "runtime.caps",
+    "text_options": "runtime.caps",
+    "TextRuntime": "runtime.text", "KV_BLOCK_SIZE": "runtime.text", "DEFAULT_MAX_MODEL_LEN": "runtime.text",
+    "kv_capacity_tokens": "runtime.text",
+    "SeqSample": "decoding.sampling", "sample_step": "decoding.sampling",
+    "TextTokenizer": "chat.tokenizer", "prompt_token_ids": "chat.prompt", "render_chat": "chat.prompt",
+    "TextModelConfig": "models.config",
+    "LoadedCheckpoint": "loading.checkpoint", "load_checkpoint": "loading.checkpoint",
+    "build_model": "loading.checkpoint",
+    "load_hf_state_dict": "loading.hf", "read_gguf_tensors": "loading.gguf",
+    "TextModel": "models.decoder", "RMSNorm": "models.decoder",
+    "AttnMetadata": "layers.attention", "build_attn_metadata": "layers.attention", "write_kv": "layers.attention",
+    "LoraSet": "runtime.lora",
 }
 
 __all__ = ["PUBLIC_MODULES", *_EXPORTS]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import pickle
 
 import attrs
 
@@ -23,8 +22,8 @@ from ifb.runtime import ScheduledStep
 
 
 def kv_salt(request: Request) -> bytes:
-    """What besides the token ids changes a request's KV."""
-    return pickle.dumps((request.extras.get("kv_salt"), request.spec.extras.get("lora")))
+    """What besides the token ids changes a request's KV (its runtime's ``Prepared.kv_salt``: media, an adapter)."""
+    return (request.kv_salt or "").encode()
 
 
 def chain_hash(parent: bytes, token_ids: tuple[int, ...], salt: bytes) -> bytes:
@@ -107,15 +106,16 @@ class PrefixCache:
         size = self.blocks.block_size
         for seq in step.seqs:
             tracked = self._tracked.get(seq.request_id)
-            if tracked is None:
+            request = requests.get(seq.request_id)
+            if tracked is None or request is None:
                 continue
             num_full = (seq.start_pos + len(seq.token_ids)) // size
-            tokens = seq.all_token_ids
+            tokens = request.all_token_ids()
             for i in range(len(tracked.keys), num_full):
                 parent = tracked.keys[-1] if tracked.keys else b""
                 key = chain_hash(parent, tuple(tokens[i * size:(i + 1) * size]), tracked.salt)
                 tracked.keys.append(key)
-                block_id = seq.block_ids[i]
+                block_id = request.block_ids[i]
                 if key not in self.table and block_id not in self.key_of:
                     self.table[key] = block_id
                     self.key_of[block_id] = key

@@ -13,7 +13,7 @@ from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, OptionSupport, Support
 from ifb.gate import UnsupportedDeployment
 from ifb.options import BLOCKING
-from ifb_plugins.common.caps import TEXT_ENDPOINTS
+from ifb_plugins.common.runtime.caps import TEXT_ENDPOINTS
 from ifb_plugins.mamba.options import ifb_deploy_settings  # noqa: F401 - its hook
 
 #: seats are allocated per deployment (--max-batch-size); this bounds what may be asked
@@ -24,7 +24,7 @@ MAX_BUILT_BATCH = 256
 def mamba_options() -> dict[str, OptionSupport]:
     """Per-request option support of the hybrid runtime under in-flight batching."""
     return {
-        # every row of a step samples with its own parameters (ifb_plugins.common.sampling)
+        # every row of a step samples with its own parameters (ifb_plugins.common.decoding.sampling)
         "differing_sampling": OptionSupport(Support.SERVED, reason="Sampling is per sequence."),
         "n_sequences": OptionSupport(
             Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),

@@ -1,7 +1,7 @@
 """Paged attention whose result for a token depends only on that token's own context.
 
 The KV layout, the slot mapping and the block tables are the shared layer's
-(``ifb_plugins.common.attention``: ``build_attn_metadata`` and ``write_kv``).
+(``ifb_plugins.common.layers.attention``: ``build_attn_metadata`` and ``write_kv``).
 The text plugin's ``paged_attention`` runs one SDPA per prefill chunk and one
 padded SDPA for the decodes; both change a token's rounding with the chunk
 length and the padding (measured: ~1e-7 differences), which breaks batched ==
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ifb_plugins.common.attention import AttnMetadata
+from ifb_plugins.common.layers.attention import AttnMetadata
 
 
 def token_positions(attn: AttnMetadata, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from ifb.runtime import ScheduledSeq
+from ifb.runtime import ScheduledSeq, Seat
 from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.model import HybridCache
 
@@ -95,22 +95,22 @@ class StateCheckpoints:
         self.pending_restores: dict[str, tuple[int, int]] = {}
 
     # ---- the runtime's side ----
-    def checkpoint_positions(self, seq: ScheduledSeq) -> list[int]:
+    def checkpoint_positions(self, seq: ScheduledSeq, num_prompt_tokens: int) -> list[int]:
         """Positions in ``(start, end]`` of this chunk whose state may be kept."""
         bs, start, end = self.block_size, seq.start_pos, seq.start_pos + len(seq.token_ids)
         # the prompt's last block boundary (prompts that extend it), and the last one before its last
         # token (the same prompt again: a match always leaves that token to compute)
-        prompt_ends = {seq.num_prompt_tokens // bs * bs, (seq.num_prompt_tokens - 1) // bs * bs}
+        prompt_ends = {num_prompt_tokens // bs * bs, (num_prompt_tokens - 1) // bs * bs}
         first = start // bs * bs + bs
         return [p for p in range(first, end + 1, bs) if p % self.interval == 0 or p in prompt_ends]
 
-    def plan(self, seqs: Sequence[ScheduledSeq]) -> list[list[tuple[int, int]]]:
+    def plan(self, seqs: Sequence[ScheduledSeq], seats: Sequence[Seat]) -> list[list[tuple[int, int]]]:
         """Per sequence ``(tokens into its chunk, capture id)`` for ``build_layout``."""
         self._captured = {}
         out = []
-        for seq in seqs:
+        for seq, seat in zip(seqs, seats, strict=True):
             points = []
-            for pos in self.checkpoint_positions(seq):
+            for pos in self.checkpoint_positions(seq, seat.num_prompt_tokens):
                 capture_id = len(self._captured)
                 self._captured[(seq.request_id, pos)] = capture_id
                 points.append((pos - seq.start_pos, capture_id))

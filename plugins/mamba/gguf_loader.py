@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import torch
 
-from ifb_plugins.common.gguf_loader import read_metadata
+from ifb_plugins.common.loading.gguf import read_metadata
 from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, ConfigError,
                                       HybridConfig)
 

@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from ifb_plugins.mamba.attention import token_positions
-from ifb_plugins.common.attention import AttnMetadata, build_attn_metadata
+from ifb_plugins.common.layers.attention import AttnMetadata, build_attn_metadata
 
 
 @attrs.frozen

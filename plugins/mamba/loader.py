@@ -19,8 +19,8 @@ import torch
 
 from ifb_plugins.mamba.config import ConfigError, HybridConfig
 from ifb_plugins.mamba.model import HybridModel
-from ifb_plugins.common.hf_loader import load_hf_state_dict
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.loading.hf import load_hf_state_dict
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 
 @attrs.frozen

@@ -19,8 +19,8 @@ import attrs
 import torch
 from torch import nn
 
-from ifb_plugins.common.attention import write_kv
-from ifb_plugins.common.model import RMSNorm, apply_rope
+from ifb_plugins.common.layers.attention import write_kv
+from ifb_plugins.common.models.decoder import RMSNorm, apply_rope
 from ifb_plugins.mamba.attention import blockwise_attention
 from ifb_plugins.mamba.config import ATTENTION, FFN_GRANITE, FFN_NONE, FFN_SWIGLU, MAMBA, HybridConfig
 from ifb_plugins.mamba.ffn import GraniteFFN, ReluSquaredMLP, SwiGLU, TokenLinear

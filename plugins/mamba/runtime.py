@@ -9,15 +9,15 @@ checkpoint has it copied into its seat right after the seat is cleared.
 Each seat owns one row of every Mamba layer's conv and SSM state. A request
 keeps its seat from admission to release, so joiners prefill in place: a
 prefill chunk continues from the state its previous chunk left, and nothing
-moves when others join or leave. Seats named in ``ScheduledStep.reset_seats``
-are zeroed before the step runs, and ``release`` zeroes a seat as it is freed.
+moves when others join or leave. The seats of a step's new requests
+(``ScheduledStep.new_seqs``) are zeroed before the step runs, and ``release``
+zeroes a seat as it is freed.
 A request preempted for lack of KV blocks is released like any other; when it
 is seated again (perhaps in another seat, reset first) its prompt and generated
 tokens are prefilled from position 0, so its state is recomputed, not saved.
 
-The blocking engine drives it alone through ``execute`` (nothing to add, so no
-``plan_alone``): a request's sequences take seats 0..n-1 of the same state
-tensors, free because only one engine drives a runtime.
+On the blocking path the engine has one seat: requests (and an n > 1
+request's sequences) take seat 0 one after another.
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb.params import InvalidRequest, RequestSpec
-from ifb.runtime import Prepared, ScheduledStep, StepOutput
+from ifb.params import RequestSpec
+from ifb.runtime import Prepared, ScheduledStep, SeatTable, StepOutput
 from ifb_plugins.mamba.checkpoints import DEFAULT_CHECKPOINT_INTERVAL, StateCheckpoints, plan_capacity
 from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
-from ifb_plugins.common.prompt import prompt_token_ids
-from ifb_plugins.common.runtime import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
-from ifb_plugins.common.sampling import sample_step
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.chat.prompt import prompt_token_ids
+from ifb_plugins.common.runtime.text import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
+from ifb_plugins.common.decoding.sampling import sample_step
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.mamba")
 
@@ -79,37 +79,38 @@ class HybridRuntime:
                              "add --enable-context-reuse")
         self.cache = allocate_cache(model.config, self.num_seats, self.num_kv_blocks, KV_BLOCK_SIZE, self.device)
         self.vocab_size = model.config.vocab_size
+        #: each seated request's history and block table, kept from the steps' diffs
+        self.seats = SeatTable()
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
-        if spec.params.n > self.num_seats:
-            raise InvalidRequest(f"n={spec.params.n} needs {spec.params.n} state seats; this deployment has "
-                                 f"{self.num_seats} (raise --max-batch-size)")
         return Prepared(tuple(prompt_token_ids(self.tokenizer, self.vocab_size, spec)))
 
     # ---- stepped execution ----
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepOutput:
-        self.cache.clear_seats(list(step.reset_seats))
         seqs = step.seqs
         bad = [s.seat for s in seqs if not 0 <= s.seat < self.num_seats]
         if bad:
             raise ValueError(f"seat {bad[0]} is outside the {self.num_seats} seats this runtime holds state for")
+        self.cache.clear_seats(list(step.reset_seats))
+        seats = self.seats.apply(step)
         store = self.state_checkpoints
         captures = None
         if store is not None:
             store.apply_restores(seqs, self.cache)
-            captures = store.plan(seqs)
-        layout = build_layout([(s.seat, s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+            captures = store.plan(seqs, seats)
+        layout = build_layout([(s.seat, s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
                               self.kv_block_size, self.device, captures)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, layout, self.cache)  # [T, H]
         if store is not None:
             store.captured(self.cache)
-        return sample_step(seqs, hidden, self.model.compute_logits)
+        return sample_step(seqs, seats, hidden, self.model.compute_logits)
 
     def release(self, request_id: str, seat: int) -> None:
         # KV blocks go back through the engine; the recurrent state lives here and is cleared now.
+        self.seats.release(request_id)
         if 0 <= seat < self.num_seats:
             self.cache.clear_seats([seat])
         if self.state_checkpoints is not None:

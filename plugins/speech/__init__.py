@@ -25,7 +25,7 @@ from ifb.capabilities import (
 )
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
-from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
 OMNI_TITLE = "Speech output, Omni bundle"
@@ -153,4 +153,4 @@ def generate_audio(llm: Any, text: str, voice: str | None = None, *, format: str
                 "audio": {"voice": voice, "format": format, "speed": speed, "instructions": instructions,
                           "language": language}})
     final = deployment.engine.submit(spec, wait=True).result()
-    return final.extras["speech"]["data"]
+    return final.audio.data

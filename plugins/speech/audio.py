@@ -9,11 +9,8 @@ unknown), as libsndfile only rewrites it when the file is closed.
 
 from __future__ import annotations
 
-import base64
 import io
 import struct
-import time
-import uuid
 import wave
 
 import numpy as np
@@ -168,13 +165,3 @@ class StreamEncoder:
             self._file.close()
             return self._sink.take()
         return b""
-
-
-#: how long the base64 audio on a chat reply is said to stay valid (OpenAI's ``expires_at``)
-AUDIO_TTL_S = 3600
-
-
-def chat_audio(data: bytes, transcript: str) -> dict:
-    """OpenAI's ``choices[0].message.audio``: ``{id, data (base64), expires_at, transcript}``."""
-    return {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode("ascii"),
-            "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.model import RMSNorm, apply_rope
+from ifb_plugins.common.models.decoder import RMSNorm, apply_rope
 
 #: both references decode long code sequences in chunks of this many frames ...
 DECODE_CHUNK_FRAMES = 300

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.mel import log_mel_features
+from ifb_plugins.common.media.mel import log_mel_features
 from ifb_plugins.speech.weights import adopt, load_prefixed
 
 #: frames a full chunk of ``2 * n_window = 100`` leaves after the convolutions (transformers' constant)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared
-from ifb_plugins.common.media import MediaItem, parse_messages
-from ifb_plugins.common.media_prompt import MediaSpan, expand_media
+from ifb_plugins.common.media.parts import MediaItem, parse_messages
+from ifb_plugins.common.media.prompt import MediaSpan, expand_media
 
 
 def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> str:

@@ -25,22 +25,22 @@ from typing import Any, Iterator, Sequence
 import attrs
 import torch
 
-from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.options import has_media
-from ifb.outputs import RequestOutput
+from ifb.outputs import AudioOutput, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
-from ifb.runtime import Prepared, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.deepstack import build_text_model
-from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.media_prompt import media_step_positions, splice_embeddings
-from ifb_plugins.common.model import rope_table
-from ifb_plugins.common.moe import fuse_expert_state
-from ifb_plugins.common.runtime import KV_BLOCK_SIZE, TextRuntime
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb.runtime import Prepared, ScheduledStep, Seat
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.deepstack import build_text_model
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.media.prompt import media_step_positions, splice_embeddings
+from ifb_plugins.common.models.decoder import rope_table
+from ifb_plugins.common.layers.moe import fuse_expert_state
+from ifb_plugins.common.models.decoder import allocate_kv_cache
+from ifb_plugins.common.runtime.text import KV_BLOCK_SIZE, TextRequestState, TextRuntime
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
 from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder
@@ -65,6 +65,13 @@ class OmniSpeech:
     speak_input: bool
     greedy: bool
     max_frames: int
+
+
+@attrs.frozen
+class OmniRequestState(TextRequestState):
+    """A Thinker request's prepared state; ``speech`` when it asked for its answer spoken."""
+
+    speech: OmniSpeech | None = None
 
 
 def thinker_config(raw: dict[str, Any]) -> TextModelConfig:
@@ -145,47 +152,46 @@ class OmniRuntime(TextRuntime):
         if req.speak_input:
             if not spec.prompt or not spec.prompt.strip():
                 raise InvalidRequest("the text to speak is empty")
-            return Prepared(tuple(self.tokenizer.encode(f"<|im_start|>assistant\n{spec.prompt}<|im_end|>",
-                                                        add_special_tokens=False)))
-        return super().prepare(spec)
+            ids = self.tokenizer.encode(f"<|im_start|>assistant\n{spec.prompt}<|im_end|>", add_special_tokens=False)
+            # the Thinker has nothing to answer: the runtime speaks the given text itself (handle_request)
+            return Prepared(tuple(ids), OmniRequestState(speech=req), is_served_whole=True)
+        prepared = super().prepare(spec)
+        return attrs.evolve(prepared, state=OmniRequestState(**attrs.asdict(prepared.state, recurse=False),
+                                                             speech=req))
 
-    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+    def step_positions(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """M-RoPE ids ``[3, T]``: an image prompt's from its grid, every other sequence's its token indices."""
         if self.model.config.mrope_section is None:
-            return super().step_positions(step)
-        return media_step_positions(step).to(self.device)
+            return super().step_positions(step, seats)
+        return media_step_positions(step, seats).to(self.device)
 
-    def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def step_embeddings(self, step: ScheduledStep, seats: list[Seat], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's token embeddings with its audio and image rows spliced in (None for text alone)."""
-        return splice_embeddings(step, input_ids, self.model.model.embed_tokens)
+        return splice_embeddings(step, seats, input_ids, self.model.model.embed_tokens)
 
-    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
-        """A spoken request: the Thinker's answer (none with ``speak_input``) made into speech by ``speak``."""
-        if not request.spec.extras.get("generate_audio"):
-            return super().plan_alone(request, capture_system_prompt=capture_system_prompt)
-        return AlonePlan(blocks=self.blocking_blocks, prefix=self.system_prompts,
-                         finish=lambda outputs: self.speak(request, outputs))
-
-    def speak(self, request: Request, outputs: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
-        """The Thinker's ``outputs`` streamed, the last one with the speech of the answer added."""
-        spec = request.spec
-        req = self.speech_request(spec)
+    # ---- speech (the blocking path) ----
+    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
+        """``speak_input``: the given text spoken as the Thinker's reply (the conversation is that turn alone)."""
         prompt = list(request.prompt_token_ids)
-        if req.speak_input:  # the text is the reply: the conversation is the assistant turn alone
-            sequence, prompt, text, last = prompt, prompt[:3], spec.prompt or "", None
-        else:
-            texts, ids, last = [], [], None
-            for out in outputs:
-                texts.append(out.text)
-                ids.extend(out.token_ids)
-                last = out
-                if not out.finished:
-                    yield out
-            if last is None or last.finish_reason not in ("stop", "length"):
-                if last is not None:
-                    yield last
-                return
-            sequence, text = prompt + ids, "".join(texts)
+        final = RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
+                              finish_reason="stop", num_prompt_tokens=len(prompt[:3]))
+        yield from self.speak(request.state.speech, spec, final, prompt[:3], prompt, spec.prompt or "",
+                              is_answer=False)
+
+    def finish_output(self, request: Request, output: RequestOutput) -> list[RequestOutput]:
+        """A chat request that asked for audio: its final output with the answer spoken."""
+        speech = getattr(request.state, "speech", None)
+        if speech is None:
+            return [output]
+        prompt = list(request.prompt_token_ids)
+        text = self.tokenizer.decode(request.output_token_ids)
+        return list(self.speak(speech, request.spec, output, prompt, prompt + request.output_token_ids, text,
+                               is_answer=True))
+
+    def speak(self, req: OmniSpeech, spec: RequestSpec, final: RequestOutput, prompt: list[int],
+              sequence: list[int], text: str, *, is_answer: bool) -> Iterator[RequestOutput]:
+        """``final`` with the speech of ``sequence`` (the conversation, its reply last) added; with a stream
+        asked for, the audio goes before it in one chunk (Code2Wav is decoded whole)."""
         states = self.thinker_states(prompt, sequence)
         sampling = Sampling(False) if req.greedy else TALKER_SAMPLING
         sub = Sampling(False) if req.greedy else PREDICTOR_SAMPLING
@@ -195,35 +201,31 @@ class OmniRuntime(TextRuntime):
         wav = self.code2wav.chunked_decode(torch.stack(frames).T[None], speed=req.speed)[0, 0] if frames \
             else torch.zeros(0)
         data = audio.encode(wav.float().numpy(), req.format, 24000)
-        extras = {"speech": {"format": req.format, "data": data, "sample_rate": 24000, "voice": req.speaker,
-                             "num_frames": len(frames), "num_samples": int(wav.shape[0]), "streamed": False},
-                  "audio": audio.chat_audio(data, text)}
-        if req.speak_input:
-            if (spec.extras.get("audio") or {}).get("stream"):  # one piece: Code2Wav is decoded whole
-                yield RequestOutput(request_id=request.request_id, text="", token_ids=(), extras={"audio_chunk": data})
-                extras["speech"] = {**extras["speech"], "data": b"", "streamed": True}
-            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
-                                finish_reason="stop", num_prompt_tokens=len(prompt),
-                                num_output_tokens=len(frames), extras=extras)
-            return
-        yield attrs.evolve(last, extras={**last.extras, **extras})
+        speech = AudioOutput(format=req.format, data=data, sample_rate=24000, voice=req.speaker, num_frames=len(frames),
+                        num_samples=int(wav.shape[0]), transcript=text)
+        if not is_answer and (spec.extras.get("audio") or {}).get("stream"):
+            yield RequestOutput(request_id=final.request_id, text="", token_ids=(), audio_chunk=data)
+            speech = attrs.evolve(speech, data=b"", is_streamed=True)
+        if is_answer:
+            yield attrs.evolve(final, audio=speech)
+        else:
+            yield attrs.evolve(final, audio=speech, num_output_tokens=len(frames))
 
     @torch.inference_mode()
     def thinker_states(self, prompt_ids: Sequence[int], sequence_ids: Sequence[int]) -> ThinkerStates:
         """The Thinker's input embeddings and hidden states at the Talker's layer, for all but the last token."""
         ids = list(sequence_ids[:-1])
         cfg = self.model.config
-        blocks = self.blocking_blocks
-        block_ids = blocks.allocate(blocks.blocks_for(len(ids)))
-        try:
-            attn = build_attn_metadata([(0, len(ids), block_ids)], KV_BLOCK_SIZE, self.device)
-            cs = rope_table(cfg, self.model.inv_freq, len(ids))
-            cos, sin = cs[:, 0:1], cs[:, 1:2]
-            embeds = x = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long))[:, :cfg.hidden_size]
-            for layer, kv in zip(self.model.model.layers[:self.accept_hidden_layer], self.kv_caches):
-                x = layer(x, cos, sin, attn, kv)
-        finally:
-            blocks.free(block_ids)
+        # a KV cache of its own for this one pass: the engine's blocks stay the engine's
+        num_blocks = -(-len(ids) // KV_BLOCK_SIZE)
+        scratch = allocate_kv_cache(cfg, num_blocks, KV_BLOCK_SIZE, dtype=self.kv_caches[0][0].dtype,
+                                    device=self.device)
+        attn = build_attn_metadata([(0, len(ids), list(range(num_blocks)))], KV_BLOCK_SIZE, self.device)
+        cs = rope_table(cfg, self.model.inv_freq, len(ids))
+        cos, sin = cs[:, 0:1], cs[:, 1:2]
+        embeds = x = self.model.model.embed_tokens(torch.tensor(ids, dtype=torch.long))[:, :cfg.hidden_size]
+        for layer, kv in zip(self.model.model.layers[:self.accept_hidden_layer], scratch):
+            x = layer(x, cos, sin, attn, kv)
         return ThinkerStates(tuple(prompt_ids), tuple(sequence_ids), embeds, x, self.special_embeds)
 
 

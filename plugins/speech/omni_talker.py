@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.hf_loader import safetensors_files
-from ifb_plugins.common.moe import fuse_expert_state
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.loading.hf import safetensors_files
+from ifb_plugins.common.layers.moe import fuse_expert_state
 from ifb_plugins.speech.omni import read_omni_config
 from ifb_plugins.speech.tts_model import NUM_CONTROL_IDS, CodecLM, CodePredictor, Sampling, choose, penalize
 from ifb_plugins.speech.weights import adopt, load_prefixed

@@ -23,9 +23,9 @@ from typing import Any
 import attrs
 import torch
 
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen2_5_vl_vision import encode_image
-from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen2_5_vl_vision import encode_image
+from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 from ifb_plugins.speech.weights import adopt, load_prefixed
 
 IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorPil", "Qwen2VLImageProcessorFast")

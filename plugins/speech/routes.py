@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.server.errors import ApiError
-from ifb.server.openai_routes import EventStream
+from ifb.server.openai_routes import EventStream, engine_error
 from ifb.server.schemas import parse_body
 from ifb_plugins.speech import audio
 
@@ -105,8 +105,7 @@ async def create_speech(request: Request) -> Response:
     outputs = handle.__aiter__()
     first = await outputs.__anext__()  # a failure before any audio still gets its status code
     if first.finished and first.finish_reason in ("error", "cancelled"):
-        status = int(first.extras.get("status", 500)) if first.extras else 500
-        raise ApiError(status, first.error or "speech generation failed", code="engine_full" if status == 429 else None)
+        raise engine_error(first, "speech generation failed")
     if body.stream_format == "sse":
         return AudioStream(_events(first, outputs), handle, "text/event-stream")
     return AudioStream(_chunks(first, outputs), handle, audio.MEDIA_TYPES[settings["format"]])
@@ -124,14 +123,14 @@ async def _outputs(first, rest) -> AsyncGenerator[Any, None]:
 
 async def _chunks(first, rest) -> AsyncGenerator[bytes, None]:
     async for out in _outputs(first, rest):
-        if out.extras.get("audio_chunk"):
-            yield out.extras["audio_chunk"]
+        if out.audio_chunk:
+            yield out.audio_chunk
 
 
 async def _events(first, rest) -> AsyncGenerator[bytes, None]:
     async for out in _outputs(first, rest):
-        if out.extras.get("audio_chunk"):
-            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(out.extras["audio_chunk"]).decode()})
+        if out.audio_chunk:
+            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(out.audio_chunk).decode()})
         if out.finished:
             usage = {"input_tokens": out.num_prompt_tokens, "output_tokens": out.num_output_tokens,
                      "total_tokens": out.num_prompt_tokens + out.num_output_tokens}

@@ -6,8 +6,8 @@ holds ``voice`` (a speaker of a CustomVoice model), ``instructions``,
 ``params.seed`` seeds the sampling (``params.temperature == 0``: greedy).
 
 Response side: with ``stream`` every decoded span arrives as a non-final
-``RequestOutput`` with ``extras["audio_chunk"]`` (bytes of the container,
-in order); the final output carries ``extras["speech"]`` (see
+``RequestOutput`` with ``audio_chunk`` (bytes of the container, in order); the
+final output carries ``audio`` (an ``ifb.outputs.AudioOutput``, see
 docs/plugins/speech.md), whose ``data`` is the whole file when not streaming
 and empty when it was streamed.
 """
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import attrs
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb.outputs import RequestOutput
+from ifb.outputs import AudioOutput, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.request import Request
 from ifb.runtime import Prepared
@@ -100,8 +100,7 @@ class TtsRuntime:
         num_samples = 0
 
         def chunk(data: bytes) -> RequestOutput:
-            return RequestOutput(request_id=request.request_id, text="", token_ids=(),
-                                 extras={"audio_chunk": data})
+            return RequestOutput(request_id=request.request_id, text="", token_ids=(), audio_chunk=data)
 
         for frame in self.speaker.frames(req.utterance, seed=req.seed, greedy=req.greedy):
             if request.handle.cancelled.is_set():
@@ -125,8 +124,8 @@ class TtsRuntime:
             samples = self.speaker.decode(frames, req.speed)
             num_samples = samples.shape[0]
             data = audio.encode(samples, req.format, rate)
-        speech = {"format": req.format, "data": data, "sample_rate": rate, "voice": req.utterance.speaker,
-                  "num_frames": len(frames), "num_samples": num_samples, "streamed": req.stream}
+        speech = AudioOutput(format=req.format, data=data, sample_rate=rate, voice=req.utterance.speaker,
+                        num_frames=len(frames), num_samples=num_samples, is_streamed=req.stream)
         yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
                             finish_reason="stop", num_prompt_tokens=len(request.prompt_token_ids),
-                            num_output_tokens=len(frames), extras={"speech": speech})
+                            num_output_tokens=len(frames), audio=speech)

@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 #: transformers' Qwen2Tokenizer PRETOKENIZE_REGEX
 QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ifb.params import InvalidRequest
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.speech.codec_decoder import CodecDecoder
 from ifb_plugins.speech.text_tokenizer import load_text_tokenizer
 from ifb_plugins.speech.tts_config import TtsConfig, read_tts_config

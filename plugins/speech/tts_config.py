@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from ifb_plugins.common.config import TextModelConfig
+from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.speech.codec_decoder import CodecDecoderConfig
 
 MODEL_TYPE = "qwen3_tts"

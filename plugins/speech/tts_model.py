@@ -15,7 +15,7 @@ As Qwen's reference (``Qwen3TTSForConditionalGeneration.generate`` in the
    embedded and summed (plus the TTS pad text embedding) as the talker's next
    input. Generation ends at the codec EOS or after ``max_new_tokens`` codes.
 
-Both decoders are ``ifb_plugins.common.model.DecoderLayer`` stacks over a
+Both decoders are ``ifb_plugins.common.models.decoder.DecoderLayer`` stacks over a
 small paged KV cache of their own (one utterance). Parameter names follow the
 reference (``talker.model.layers.N...``, ``talker.code_predictor...``).
 Shapes: L prompt length, H talker hidden, Hp predictor hidden, G codebooks.
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.model import DecoderLayer, RMSNorm, allocate_kv_cache, rope_inv_freq, rope_table
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.decoder import DecoderLayer, RMSNorm, allocate_kv_cache, rope_inv_freq, rope_table
 from ifb_plugins.speech.tts_config import TalkerConfig, TtsConfig
 
 KV_BLOCK = 16

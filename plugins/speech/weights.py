@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ifb_plugins.common.hf_loader import safetensors_files
+from ifb_plugins.common.loading.hf import safetensors_files
 
 M = TypeVar("M", bound=nn.Module)
 

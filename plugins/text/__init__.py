@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
-from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.text.options import SETTINGS, ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}

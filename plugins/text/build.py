@@ -10,10 +10,10 @@ import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.model import TextModel
-from ifb_plugins.common.runtime import TextRuntime
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model, load_checkpoint
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.runtime.text import TextRuntime
 
 log = logging.getLogger("ifb.text")
 
@@ -65,9 +65,9 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
     if has_lora:
         return PreparedModel("float32 (LoRA adapters registered)")
     if mode != "none" and loaded.source == "gguf":
-        from ifb_plugins.common import qkernels, quant
-        from ifb_plugins.common.gguf_loader import read_gguf_tensors
-        from ifb_plugins.common.native_decoder import use_native_decoder
+        from ifb_plugins.common.quant import kernels as qkernels, linear as quant
+        from ifb_plugins.common.loading.gguf import read_gguf_tensors
+        from ifb_plugins.common.models.native_decoder import use_native_decoder
 
         report = quant.quantize_model(model, read_gguf_tensors(loaded.path), activations=_ACTIVATIONS[mode])
         kernels = qkernels.load() if report.backend == "native" and report.num_quantized else None
@@ -113,7 +113,7 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime
     name = config.options.get("served_model_name") or model_name_for(path)
     prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
     if loaded.deferred:
-        from ifb_plugins.common.gguf_loader import materialize
+        from ifb_plugins.common.loading.gguf import materialize
 
         materialize(model, loaded.path, loaded.deferred)
     lora = LoraSet(model, adapters)

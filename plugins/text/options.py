@@ -9,7 +9,7 @@ import click
 
 from ifb import hookimpl
 from ifb.capabilities import DeploySetting
-from ifb_plugins.common.caps import SYSTEM_PROMPT_CAPTURE
+from ifb_plugins.common.runtime.caps import SYSTEM_PROMPT_CAPTURE
 
 #: ``--quantization``: how a GGUF's matrices run (``build.QUANTIZATION_MODES``)
 QUANTIZATION_CHOICES = ("auto", "int8", "weights-only", "none")

@@ -17,7 +17,7 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.common.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 log = logging.getLogger("ifb.vlm")
@@ -67,7 +67,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.common.lora import LoraSet
+    from ifb_plugins.common.runtime.lora import LoraSet
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 

@@ -17,11 +17,11 @@ import attrs
 import torch
 from torch import nn
 
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.hf_loader import load_hf_state_dict
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model
-from ifb_plugins.common.model import TextModel
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.loading.hf import load_hf_state_dict
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model
+from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 #: the decoder's weight prefixes, each with what it becomes in ``TextModel``'s names
 TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),

@@ -32,14 +32,14 @@ import torch
 from PIL import Image
 from torch import nn
 
-from ifb_plugins.common import image_ops
+from ifb_plugins.common.media import image_ops
 from ifb_plugins.vlm.checkpoint import (
     TEXT_MODEL_PREFIXES, ProcessorFiles, load_module, load_state, load_text_model, load_tokenizer, read_json,
     special_token_id, split_state,
 )
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.common.media import MediaItem
-from ifb_plugins.common.vision import VisionConfig, VisionTower
+from ifb_plugins.common.media.parts import MediaItem
+from ifb_plugins.common.media.vision import VisionConfig, VisionTower
 
 FAKE_TOKEN, IMAGE_TOKEN, GLOBAL_TOKEN = "<fake_token_around_image>", "<image>", "<global-img>"
 MAX_IMAGE_SIZE = 4096  # the processor's cap on a resized side

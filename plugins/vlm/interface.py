@@ -8,9 +8,9 @@ from typing import Callable, Mapping, Protocol
 import attrs
 import torch
 
-from ifb_plugins.common.model import TextModel
-from ifb_plugins.common.tokenizer import TextTokenizer
-from ifb_plugins.common.media import MediaItem
+from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
+from ifb_plugins.common.media.parts import MediaItem
 
 
 @attrs.frozen

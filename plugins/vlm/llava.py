@@ -27,10 +27,10 @@ from ifb_plugins.vlm.checkpoint import (
     ProcessorFiles, load_module, load_state, load_text_model, load_tokenizer, read_json, special_token_id,
     split_state,
 )
-from ifb_plugins.common.image_ops import CLIP_DEFAULTS, IMAGE_PROCESSOR_DEFAULTS, SIGLIP_DEFAULTS, ImageProcessing
+from ifb_plugins.common.media.image_ops import CLIP_DEFAULTS, IMAGE_PROCESSOR_DEFAULTS, SIGLIP_DEFAULTS, ImageProcessing
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.common.media import MediaItem
-from ifb_plugins.common.vision import VisionConfig, VisionTower, activation
+from ifb_plugins.common.media.parts import MediaItem
+from ifb_plugins.common.media.vision import VisionConfig, VisionTower, activation
 
 log = logging.getLogger("ifb.vlm")
 

@@ -7,7 +7,7 @@ size (``smart_resize``: sides multiples of 28 pixels, area within
 (``qwen2_5_vl_vision``) merges each 2x2 block of patches into one embedding.
 The chat template renders ``<|vision_start|><|image_pad|><|vision_end|>`` per
 image and the processor repeats ``<|image_pad|>`` once per embedding. The
-decoder's rotary positions are three rows (``ifb_plugins.common.mrope``): an
+decoder's rotary positions are three rows (``ifb_plugins.common.layers.mrope``): an
 image's tokens carry its grid's rows and columns, the text after it continues
 from the largest id + 1.
 
@@ -24,14 +24,14 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.common.media import MediaItem
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower, encode_image
+from ifb_plugins.common.media.parts import MediaItem
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen2_5_vl_vision import Qwen2_5VisionConfig, Qwen2_5VisionTower, encode_image
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 

@@ -31,9 +31,9 @@ from ifb_plugins.vlm.checkpoint import (
     split_state,
 )
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.common.media import MediaItem
-from ifb_plugins.common.mel import log_mel_features
-from ifb_plugins.common.vision import activation
+from ifb_plugins.common.media.parts import MediaItem
+from ifb_plugins.common.media.mel import log_mel_features
+from ifb_plugins.common.media.vision import activation
 
 
 @attrs.frozen

@@ -26,16 +26,16 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.deepstack import build_text_model
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.deepstack import build_text_model
 from ifb_plugins.vlm.checkpoint import ProcessorFiles, load_module, load_state, load_tokenizer, read_json, \
     special_token_id
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm
-from ifb_plugins.common.media import MediaItem
+from ifb_plugins.common.media.parts import MediaItem
 from ifb_plugins.vlm.qwen2_5_vl import image_processing, split_state
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen2_5_vl_vision import encode_image
-from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen2_5_vl_vision import encode_image
+from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)
 

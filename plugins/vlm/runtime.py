@@ -15,16 +15,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from ifb.blocking import AlonePlan
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.request import Request
-from ifb.runtime import Prepared, ScheduledStep
-from ifb_plugins.common.lora import LoraSet
-from ifb_plugins.common.runtime import TextRuntime
+from ifb.runtime import Prepared, ScheduledStep, Seat
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
-from ifb_plugins.common.media import MediaItem, parse_messages
-from ifb_plugins.common.media_prompt import MEDIA, MediaSpan, expand_media, media_step_positions, splice_embeddings
+from ifb_plugins.common.media.parts import MediaItem, parse_messages
+from ifb_plugins.common.media.prompt import MediaSpan, expand_media, media_step_positions, splice_embeddings
 from ifb_plugins.vlm.pruning import prune
 
 #: audio arrives resampled to this rate unless an encoder asks for another
@@ -102,23 +100,16 @@ class VlmRuntime(TextRuntime):
         return encoded
 
     # ---- stepped execution ----
-    def step_positions(self, step: ScheduledStep) -> torch.Tensor:
+    def step_positions(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """M-RoPE decoders take ``[3, T]`` ids, each sequence's from its own prompt (text alone: its index)."""
         if self.model.config.mrope_section is None:
-            return super().step_positions(step)
-        return media_step_positions(step).to(self.device)
+            return super().step_positions(step, seats)
+        return media_step_positions(step, seats).to(self.device)
 
-    def step_embeddings(self, step: ScheduledStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def step_embeddings(self, step: ScheduledStep, seats: list[Seat], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with each chunk's media rows replaced by their media embeddings.
 
         A prefill chunk covers prompt positions ``start_pos .. start_pos + n``;
         it may hold only part of a media item's rows, so each is clipped to it.
         """
-        return splice_embeddings(step, input_ids, self.model.model.embed_tokens)
-
-    # ---- blocking path ----
-    def plan_alone(self, request: Request, *, capture_system_prompt: bool = True) -> AlonePlan:
-        # A captured prefix is matched by token ids alone; one holding media placeholders
-        # would hand this image's KV to a later request with another image. Serve it uncaptured.
-        return super().plan_alone(request, capture_system_prompt=capture_system_prompt
-                                  and not request.extras.get(MEDIA))
+        return splice_embeddings(step, seats, input_ids, self.model.model.embed_tokens)

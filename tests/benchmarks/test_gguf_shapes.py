@@ -10,7 +10,7 @@ import attrs
 import gguf
 import pytest
 
-from ifb_plugins.common.gguf_loader import load_gguf, read_gguf_tensors
+from ifb_plugins.common.loading.gguf import load_gguf, read_gguf_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 Q = gguf.GGMLQuantizationType

@@ -8,7 +8,7 @@ import attrs
 
 from ifb.capabilities import DeploymentCaps, OptionSupport, Support
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.runtime import Prepared, ScheduledStep, SeqOutput, StepOutput
+from ifb.runtime import Prepared, ScheduledStep, SeatTable, SeqOutput, StepOutput
 
 EOS = 0
 
@@ -57,6 +57,7 @@ class FakeRuntime:
     released: list = attrs.field(factory=list)
     step_delay: float = 0.0
     gate: threading.Event | None = None  # when set, execute() waits on it (to hold a batch open)
+    seats: SeatTable = attrs.field(factory=SeatTable)
 
     def prepare(self, spec: RequestSpec) -> Prepared:
         if spec.prompt_token_ids is not None:
@@ -73,25 +74,30 @@ class FakeRuntime:
             import time
             time.sleep(self.step_delay)
         self.steps.append(step)
+        return self.outputs_for(step, self.seats.apply(step))
+
+    def outputs_for(self, step: ScheduledStep, seats: list) -> StepOutput:
+        """The step's output, given each sequence's seat (what ``execute`` makes of a step)."""
         outs = []
-        for seq in step.seqs:
+        for seq, seat in zip(step.seqs, seats):
             if seq.request_id.split("-")[0] in self.fail_ids or seq.request_id in self.fail_ids:
                 raise RuntimeError(f"injected fault for {seq.request_id}")
             if not seq.is_sampling:
                 outs.append(SeqOutput(seq.request_id, None))
                 continue
-            num_out = len(seq.all_token_ids) - seq.num_prompt_tokens
+            num_out = len(seat.all_token_ids) - seat.num_prompt_tokens
             forced = self.lengths.get(seq.request_id)
             if forced is not None and num_out + 1 >= forced:
                 token = EOS
             else:
-                token = next_token(seq.all_token_ids)
-                if seq.params.seed is not None and seq.params.temperature > 0:
-                    token = (token + seq.params.seed + num_out) % 26 + 1
-            lp = -0.5 if seq.params.logprobs is not None else None
-            top = tuple((t, -1.0 - i) for i, t in enumerate(range(1, 1 + (seq.params.logprobs or 0))))
+                token = next_token(tuple(seat.all_token_ids))
+                if seat.params.seed is not None and seat.params.temperature > 0:
+                    token = (token + seat.params.seed + num_out) % 26 + 1
+            lp = -0.5 if seat.params.logprobs is not None else None
+            top = tuple((t, -1.0 - i) for i, t in enumerate(range(1, 1 + (seat.params.logprobs or 0))))
             outs.append(SeqOutput(seq.request_id, token, lp, top))
         return StepOutput(tuple(outs))
 
     def release(self, request_id: str, seat: int) -> None:
         self.released.append((request_id, seat))
+        self.seats.release(request_id)

@@ -7,14 +7,13 @@ import threading
 
 import pytest
 
-from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, OptionSupport, Support
 from ifb.engine import EngineFull, RequestEngine, RequestRejected
 from ifb.gate import UnsupportedDeployment
 from ifb.options import BUILTIN_OPTIONS
 from ifb.plugins import default_host
 from ifb.outputs import RequestFailed
-from ifb.params import InvalidRequest, RequestSpec, SamplingParams
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
 
 from tests.core.fakes import FakeRuntime, next_token, text_caps
 
@@ -133,7 +132,6 @@ def test_async_consumers_get_each_step_in_one_loop_wake_up():
     ({}, {"n": 2}, "More than one sequence"),
     ({"save_system_prompt_kv_cache": True}, {}, "--enable-context-reuse"),
     ({"generate_audio": True}, {}, "blocking path"),
-    ({"past_trajectory": [1]}, {}, "blocking path"),
 ])
 def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params, word):
     # the installed plugins' options too (the capture and speech output are the built-in plugins')
@@ -141,6 +139,20 @@ def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params,
     try:
         with pytest.raises(RequestRejected, match=word):
             eng.submit(RequestSpec(prompt="hi", params=SamplingParams(**params), extras=extras))
+        assert eng.counters.snapshot()["submitted"] == 0
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_a_trajectory_to_a_model_that_plans_none_is_refused_on_either_path(in_flight):
+    options = default_host().request_options()
+    eng = engine(options=options) if in_flight else BlockingEngine(FakeRuntime(), DeployConfig(), options)
+    try:
+        trajectory = Trajectory.of([[0.5, 1.0]], field="messages[0].content[1].trajectory")
+        with pytest.raises(RequestRejected, match="no trajectory planner") as refused:
+            eng.submit(RequestSpec(prompt="hi", past_trajectory=trajectory))
+        assert refused.value.param == "messages[0].content[1].trajectory"
         assert eng.counters.snapshot()["submitted"] == 0
     finally:
         eng.shutdown()
@@ -272,7 +284,7 @@ def test_blocking_path_serves_n_and_times_out_in_queue():
     gate = threading.Event()
     rt = FakeRuntime(gate=gate)
     cfg = DeployConfig(max_queued_requests=1, queue_timeout=0.05)
-    eng = BlockingEngine(rt, cfg, list(BUILTIN_OPTIONS))
+    eng = RequestEngine(rt, cfg, list(BUILTIN_OPTIONS), in_flight=False)
     try:
         first = eng.submit(spec([1, 2], n=2, temperature=0.7, seed=3))
         while eng.counters.snapshot()["resident"] == 0:  # the worker took it; the queue is empty
@@ -295,51 +307,45 @@ def test_blocking_path_serves_n_and_times_out_in_queue():
         eng.shutdown()
 
 
-def test_blocking_path_follows_the_runtimes_plan_alone():
-    """``plan_alone``: the pool persists, the context wraps the drive, ``finish`` maps the outputs lazily."""
-    import contextlib
-
+def test_blocking_path_serves_the_runtimes_finish_output_and_whole_requests():
+    """One seat: ``finish_output`` replaces a finishing request's last output (lazily, at its end); a
+    request prepared ``is_served_whole`` is served by ``handle_request`` and runs no step; every block
+    of the engine's pool comes back."""
     import attrs
 
-    from ifb.blocking import AlonePlan
-    from ifb.kv import BlockManager
     from ifb.outputs import RequestOutput
-
-    events = []
-
-    @contextlib.contextmanager
-    def around(name):
-        events.append(f"enter {name}")
-        yield
-        events.append(f"exit {name} after {len(rt.steps)} steps")
-
-    def finish(request, outputs):
-        if request.spec.extras.get("skip"):  # never iterates the outputs: no step runs
-            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
-                                finish_reason="stop")
-            return
-        outs = list(outputs)
-        yield from outs[:-1]
-        yield attrs.evolve(outs[-1], extras={"num_outputs": len(outs)})
+    from ifb.runtime import Prepared
 
     @attrs.define
-    class PlanningRuntime(FakeRuntime):
-        pool: BlockManager = attrs.field(factory=lambda: BlockManager(256, 4))
+    class FinishingRuntime(FakeRuntime):
+        finished: list = attrs.field(factory=list)
 
-        def plan_alone(self, request):
-            return AlonePlan(blocks=self.pool, context=around(request.request_id),
-                             finish=lambda outputs: finish(request, outputs))
+        def prepare(self, spec):
+            prepared = super().prepare(spec)
+            return attrs.evolve(prepared, state=spec.extras.get("tag"), is_served_whole=bool(spec.extras.get("whole")))
 
-    rt = PlanningRuntime()
-    eng = BlockingEngine(rt, DeployConfig(), list(BUILTIN_OPTIONS))
+        def finish_output(self, request, output):
+            self.finished.append((request.state, len(self.steps)))
+            return [RequestOutput(request_id=output.request_id, text="", token_ids=(), audio_chunk=b"x"),
+                    attrs.evolve(output, num_output_tokens=99)]
+
+        def handle_request(self, spec, request):
+            yield RequestOutput(request_id=request.request_id, text="whole", token_ids=(), finished=True,
+                                finish_reason="stop")
+
+    rt = FinishingRuntime()
+    eng = RequestEngine(rt, DeployConfig(), list(BUILTIN_OPTIONS), in_flight=False)
     try:
-        handle = eng.submit(spec([1, 2, 3], max_tokens=4))
-        final = handle.result()
-        assert final.token_ids == tuple(expected([1, 2, 3], 4)) and final.extras == {"num_outputs": 4}
-        assert events == [f"enter {handle.request_id}", f"exit {handle.request_id} after {len(rt.steps)} steps"]
-        assert rt.steps and rt.pool.num_free == 256  # seated in the runtime's pool, and every block back
+        handle = eng.submit(RequestSpec(prompt_token_ids=(1, 2, 3), params=SamplingParams(max_tokens=4, temperature=0),
+                                        extras={"tag": "a"}))
+        outs = list(handle)
+        assert [o.audio_chunk for o in outs[-2:]] == [b"x", b""] and outs[-1].num_output_tokens == 99
+        assert tuple(t for o in outs for t in o.token_ids) == tuple(expected([1, 2, 3], 4))
+        assert rt.finished == [("a", len(rt.steps))]  # called once, after the request's last step
         num_steps = len(rt.steps)
-        skipped = eng.submit(RequestSpec(prompt_token_ids=(1, 2), params=GREEDY, extras={"skip": True})).result()
-        assert len(rt.steps) == num_steps and skipped.token_ids == ()
+        whole = eng.submit(RequestSpec(prompt_token_ids=(1, 2), params=GREEDY, extras={"whole": True})).result()
+        assert whole.text == "whole" and len(rt.steps) == num_steps and len(rt.finished) == 1
+        assert eng.blocks.num_free == rt.num_kv_blocks
+        assert eng.counters.snapshot()["completed"] == 2
     finally:
         eng.shutdown()

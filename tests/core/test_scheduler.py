@@ -136,12 +136,15 @@ def test_blocks_are_allocated_as_the_sequence_grows():
     a = make(rt, "a", 5, max_tokens=None)  # a cap of the whole context, nothing reserved for it
     s.add(a)
     step = s.schedule()
-    assert len(step.seqs[0].block_ids) == 2 == len(a.block_ids)  # 5 prompt tokens in blocks of 4
+    sent = list(step.seqs[0].new_block_ids)  # the runtime hears of each block once, as it is added
+    assert len(sent) == 2 == len(a.block_ids)  # 5 prompt tokens in blocks of 4
     run_step(s, step)
     held = []
     for _ in range(8):
         step = s.schedule()
-        held.append(len(step.seqs[0].block_ids))
+        sent += step.seqs[0].new_block_ids
+        assert sent == a.block_ids
+        held.append(len(sent))
         run_step(s, step)
     # token 6 is computed in the first decode; each further block starts at 9, 13
     assert held == [2, 2, 2, 3, 3, 3, 3, 4]
@@ -191,8 +194,11 @@ def test_the_youngest_resident_is_preempted_recomputed_and_never_streams_twice()
     assert old.num_preemptions == 0 and young.num_preemptions == 1
     assert "preempted: the KV pool ran out" in reasons  # then it waits as any head does
     # the first step after its return recomputes the prompt and what it had generated, then samples
-    back = next(q for st in sent for q in st.seqs if q.request_id == "young" and q.start_pos == 0 and st is not sent[0])
-    assert back.token_ids == back.all_token_ids and back.is_sampling and len(back.token_ids) > 6
+    back_step = next(st for st in sent if st is not sent[0] and any(
+        q.request_id == "young" and q.start_pos == 0 for q in st.seqs))
+    back = next(q for q in back_step.seqs if q.request_id == "young")
+    seated = [n for st in sent if st is not sent[0] for n in st.new_seqs if n.request_id == "young"]
+    assert seated and back.token_ids == seated[-1].token_ids and back.is_sampling and len(back.token_ids) > 6
     for r in (old, young):
         alone = FakeRuntime()
         t = scheduler(alone, seats=1, budget=16, blocks=64)

@@ -47,7 +47,9 @@ def violations(path: Path, root: Path = PLUGINS) -> list[str]:
         elif len(parts) == 2:
             bad += [f"{where}: imports {name!r} from ifb_plugins.common, which does not export it"
                     for name in names if name not in common.__all__ and name not in common.PUBLIC_MODULES]
-        elif parts[2] not in common.PUBLIC_MODULES or len(parts) > 3:
+        elif len(parts) == 3 and names and all(f"{parts[2]}.{name}" in common.PUBLIC_MODULES for name in names):
+            continue  # public modules taken from their package (``from ifb_plugins.common.quant import kernels``)
+        elif ".".join(parts[2:]) not in common.PUBLIC_MODULES:
             bad.append(f"{where}: imports {module}, not a public module of ifb_plugins.common")
         else:
             bad += [f"{where}: imports the private {name} from {module}" for name in names if name.startswith("_")]
@@ -62,7 +64,7 @@ def test_plugins_import_only_themselves_and_the_shared_layers_api() -> None:
 @pytest.mark.parametrize(("source", "expected"), [
     ("from ifb_plugins.text.build import load_text_runtime\n", "another plugin's module"),
     ("import ifb_plugins.mamba.ssm\n", "another plugin's module"),
-    ("from ifb_plugins.common.sampling import _seed_for_step\n", "the private _seed_for_step"),
+    ("from ifb_plugins.common.decoding.sampling import _seed_for_step\n", "the private _seed_for_step"),
     ("from ifb_plugins.common._secret import x\n", "not a public module"),
     ("from ifb_plugins.common import nothing_exported\n", "does not export it"),
     ("from .runtime import TextRuntime\n", "relative import"),
@@ -83,7 +85,16 @@ def test_every_export_and_public_module_exists() -> None:
     for name in common.__all__:
         assert getattr(common, name) is not None
     for module in common.PUBLIC_MODULES:
-        assert (PLUGINS / "common" / f"{module}.py").exists(), module
+        assert (PLUGINS / "common" / f"{module.replace('.', '/')}.py").exists(), module
+
+
+def test_the_shared_layer_is_packages_of_modules() -> None:
+    """No drawer: the shared layer holds only packages (no module beside them but its own ``__init__``),
+    each of at most about twenty modules."""
+    common_dir = PLUGINS / "common"
+    assert sorted(p.name for p in common_dir.glob("*.py")) == ["__init__.py"]
+    for package in (p for p in common_dir.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        assert len(list(package.glob("*.py"))) <= 21, package.name
 
 
 

@@ -17,7 +17,7 @@ from ifb.capabilities import DeployConfig
 from ifb.deploy import load_deployment
 from ifb.params import RequestSpec, SamplingParams
 from ifb.plugins import PluginHost
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "tests" / "fixtures" / "ifb_echo_plugin" / "ifb_echo" / "persona.py"

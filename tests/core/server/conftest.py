@@ -12,7 +12,6 @@ import httpx
 import pytest
 import uvicorn
 
-from ifb.blocking import BlockingEngine
 from ifb.capabilities import DeployConfig, DeploymentKind, EndpointSupport
 from ifb.deploy import Deployment
 from ifb.engine import RequestEngine
@@ -31,7 +30,7 @@ def make_deployment(*, in_flight: bool = True, runtime: FakeRuntime | None = Non
     kind = DeploymentKind(name="fake", plugin="fake", title="Fake runtime", declare=lambda c: runtime.caps,
                           load=lambda c: runtime)
     options = default_host().request_options()  # as load_deployment gives them: the plugins' too
-    engine = RequestEngine(runtime, cfg, options) if in_flight else BlockingEngine(runtime, cfg, options)
+    engine = RequestEngine(runtime, cfg, options, in_flight=in_flight)
     return Deployment(kind, cfg, runtime.caps, runtime, engine, None)
 
 

@@ -98,9 +98,11 @@ class FailsLater(FakeRuntime):
     """Fails a step once a request in it has three output tokens."""
 
     def execute(self, step):
-        if any(len(seq.all_token_ids) - seq.num_prompt_tokens >= 3 for seq in step.seqs):
+        out = super().execute(step)
+        seats = [self.seats.seats[seq.request_id] for seq in step.seqs]
+        if any(len(seat.all_token_ids) - seat.num_prompt_tokens >= 3 for seat in seats):
             raise RuntimeError("late fault")
-        return super().execute(step)
+        return out
 
 
 def test_failure_mid_stream_sends_an_error_event_then_done():

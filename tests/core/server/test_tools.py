@@ -166,8 +166,8 @@ class ScriptedRuntime(FakeRuntime):
 
     def execute(self, step):
         outs = []
-        for seq in step.seqs:
-            num_out = len(seq.all_token_ids) - seq.num_prompt_tokens
+        for seq, seat in zip(step.seqs, self.seats.apply(step)):
+            num_out = len(seat.all_token_ids) - seat.num_prompt_tokens
             token = ord(self.script[num_out]) if seq.is_sampling and num_out < len(self.script) else 0
             outs.append(SeqOutput(seq.request_id, token if seq.is_sampling else None))
         return StepOutput(tuple(outs))

@@ -11,7 +11,7 @@ The templates under ``templates/`` are copied unchanged from their published sou
   (the template of mistralai/Mistral-7B-Instruct-v0.3, ``[AVAILABLE_TOOLS]`` / ``[TOOL_CALLS]``).
 
 Each renders a conversation with tools, an earlier call and its result through
-the sandboxed renderer of ``ifb_plugins.common.tokenizer``; the prompt must equal
+the sandboxed renderer of ``ifb_plugins.common.chat.tokenizer``; the prompt must equal
 what transformers renders from the same template, carry the tool definitions,
 and the call the template writes into the history (the way the model was
 trained to emit it) must parse back with the format detected from the template.
@@ -28,8 +28,8 @@ from tokenizers import Tokenizer, models
 
 from ifb.server import tools
 from ifb.server.tools import HERMES, LLAMA3, MISTRAL, parse
-from ifb_plugins.common.prompt import render_chat
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.chat.prompt import render_chat
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 from tests.core.server.test_tools import TIME, WEATHER
 

@@ -13,11 +13,12 @@ from ifb import LLM, SamplingParams
 from ifb.engine import check_options
 from ifb.options import BUILTIN_OPTIONS
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.runtime import ScheduledSeq
-from ifb_plugins.common.caps import text_options
-from ifb_plugins.common.guided import GUIDED_GRAMMAR, GuidedDecoder
-from ifb_plugins.common.testing import save_tiny_checkpoint
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb.runtime import Seat
+from ifb_plugins.common.runtime.caps import text_options
+from ifb_plugins.common.decoding.guided import GuidedDecoder
+from ifb_plugins.common.runtime.text import TextRequestState
+from tests.models.text import save_tiny_checkpoint
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 CODE = r"[0-9]{3}-[a-z]{2,5}"
 PERSON = {
@@ -130,7 +131,7 @@ def test_text_format_is_unguided():
 
 def test_text_format_has_no_matcher(llm):
     prepared = llm.deployment.runtime.prepare(RequestSpec(prompt="hi", extras={"response_format": {"type": "text"}}))
-    assert GUIDED_GRAMMAR not in prepared.extras
+    assert prepared.state.grammar is None
 
 
 def test_guided_request_waits_for_the_batch_then_runs_alone(llm, monkeypatch):
@@ -210,9 +211,7 @@ def test_numpy_and_torch_masks_agree(checkpoint):
     history = (5, 6) + tuple(tokenizer.encode('{"name": "Al', add_special_tokens=False))
     masked = []
     for dtype in (torch.float32, torch.float64):  # the in-place numpy path, then torch's masked_fill_
-        seq = ScheduledSeq(request_id=f"r-{dtype}", seat=0, token_ids=history[-1:], start_pos=len(history) - 1,
-                           block_ids=(), is_sampling=True, params=SamplingParams(), num_prompt_tokens=2,
-                           all_token_ids=history, extras={GUIDED_GRAMMAR: grammar})
+        seq = Seat(f"r-{dtype}", 0, SamplingParams(), 2, list(history), state=TextRequestState(grammar=grammar))
         logits = torch.zeros(1, 320, dtype=dtype)
         decoder.mask_logits(logits, [(0, seq)])
         masked.append(torch.isinf(logits[0]))
@@ -227,8 +226,8 @@ def test_gguf_vocabulary_reaches_the_matcher_as_raw_bytes(checkpoint, tmp_path):
     # bytes ("Ġ" is a space), the control tokens as special, and the GGUF end-of-sequence id.
     import gguf
 
-    from ifb_plugins.common.gguf_loader import read_metadata
-    from ifb_plugins.common.testing import save_tiny_gguf
+    from ifb_plugins.common.loading.gguf import read_metadata
+    from tests.models.text import save_tiny_gguf
 
     path = save_tiny_gguf(checkpoint, tmp_path / "tiny.gguf")
     tokenizer = TextTokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(path)))

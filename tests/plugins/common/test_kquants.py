@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from ifb_plugins.common import qkernels, quant, quant_blocks, quant_torch
-from ifb_plugins.common.gguf_loader import GGUFTensor, read_gguf_tensors
-from ifb_plugins.common.loader import build_model, load_checkpoint
-from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.quant import kernels as qkernels, linear as quant, blocks as quant_blocks, int4_torch as quant_torch
+from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_tensors
+from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType
@@ -272,7 +272,7 @@ Q4_K_M = {"token_embd.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q4_K for i
 
 @pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
 def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_path: Path) -> None:
-    from ifb_plugins.common.native_decoder import use_native_decoder
+    from ifb_plugins.common.models.native_decoder import use_native_decoder
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
                               num_layers=2, num_heads=4, num_kv_heads=2)
@@ -300,7 +300,7 @@ def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_pat
 @pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
 @pytest.mark.parametrize("tied", [True, False])
 def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_path: Path, tied: bool) -> None:
-    from ifb_plugins.common.gguf_loader import materialize
+    from ifb_plugins.common.loading.gguf import materialize
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
                               num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)

@@ -7,7 +7,7 @@ import gguf
 import pytest
 import torch
 
-from ifb_plugins.common import qkernels, quant, quant_torch
+from ifb_plugins.common.quant import kernels as qkernels, linear as quant, int4_torch as quant_torch
 from tests.plugins.common.test_kquants import NEW_TYPES, random_blocks
 from tests.plugins.common.test_quant import KERNEL_BUILD_NAMES, KERNEL_BUILDS, KERNELS, restored_threads
 

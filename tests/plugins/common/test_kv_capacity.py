@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from ifb.capabilities import DeployConfig
-from ifb_plugins.common import runtime
-
-
+from ifb_plugins.common.runtime import text as runtime
 def test_the_flag_wins_and_a_runtime_without_a_size_keeps_two_k_per_seat():
     assert runtime.kv_capacity_tokens(DeployConfig(max_kv_cache_capacity=123), 8192, 1000) == 123
     assert runtime.kv_capacity_tokens(DeployConfig(max_batch_size=8), 8192) == 8 * 2048

@@ -10,12 +10,12 @@ import gguf
 import pytest
 import torch
 
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.gguf_loader import read_gguf_tensors
-from ifb_plugins.common.loader import build_model, load_checkpoint
-from ifb_plugins.common.model import TextModel, allocate_kv_cache, rope_inv_freq
-from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.loading.gguf import read_gguf_tensors
+from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache, rope_inv_freq
+from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 
 LLAMA3_SCALING = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -14,12 +14,12 @@ import torch
 
 from ifb import LLM, SamplingParams
 from ifb.params import RequestSpec
-from ifb_plugins.common import qkernels, quant
-from ifb_plugins.common.gguf_loader import read_gguf_tensors
-from ifb_plugins.common.loader import build_model, load_checkpoint
-from ifb_plugins.common.moe import ExpertModules, SparseMoE
-from ifb_plugins.common.testing import greedy_generate_batch
-from ifb_plugins.common.testing_moe import save_tiny_moe, write_moe_gguf
+from ifb_plugins.common.quant import kernels as qkernels, linear as quant
+from ifb_plugins.common.loading.gguf import read_gguf_tensors
+from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.layers.moe import ExpertModules, SparseMoE
+from tests.models.text import greedy_generate_batch
+from tests.models.moe import save_tiny_moe, write_moe_gguf
 from tests.helpers import submit_staggered
 from tests.plugins.common.test_loaders import prefill_logits
 

@@ -12,12 +12,12 @@ import torch
 
 from ifb import LLM, SamplingParams
 from ifb.params import RequestSpec
-from ifb_plugins.common.config import TextModelConfig
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.common.model import TextModel
-from ifb_plugins.common.moe import SparseMoE, exp_sigmoid, route
-from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch
-from ifb_plugins.common.testing_moe import save_tiny_moe
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model, load_checkpoint
+from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.layers.moe import SparseMoE, exp_sigmoid, route
+from tests.models.text import greedy_generate, greedy_generate_batch
+from tests.models.moe import save_tiny_moe
 from tests.helpers import submit_staggered
 from tests.plugins.common.test_loaders import prefill_logits
 

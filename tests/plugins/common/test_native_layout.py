@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ifb_plugins.common import native_decoder, qkernels
-from ifb_plugins.common.native_decoder import (
+from ifb_plugins.common.models import native_decoder
+
+from ifb_plugins.common.quant import kernels as qkernels
+from ifb_plugins.common.models.native_decoder import (
     PARAMS_HEADER, STRUCTS, build_structs, check_layout, layout_mismatches, parse_layout, reported_layout,
 )
 
@@ -88,7 +90,7 @@ def test_the_cache_key_covers_every_source_file() -> None:
 
 def test_every_source_file_ships_and_none_is_too_long() -> None:
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "ifb_plugins.common"]
+        "ifb_plugins.common.quant"]
     for name, data in qkernels.sources().items():
         assert any(fnmatch.fnmatch(f"{qkernels.SOURCE_DIR}/{name}", g) for g in globs), name
         assert data.count(b"\n") <= 600, name

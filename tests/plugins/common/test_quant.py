@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from ifb_plugins.common import qkernels, quant, quant_torch
-from ifb_plugins.common.attention import build_attn_metadata, paged_attention
-from ifb_plugins.common.gguf_loader import GGUFTensor, read_gguf_tensors
-from ifb_plugins.common.loader import build_model, load_checkpoint
-from ifb_plugins.common.model import allocate_kv_cache
-from ifb_plugins.common.native_decoder import use_native_decoder
-from ifb_plugins.common.testing import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.quant import kernels as qkernels, linear as quant, int4_torch as quant_torch
+from ifb_plugins.common.layers.attention import build_attn_metadata, paged_attention
+from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_tensors
+from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.models.decoder import allocate_kv_cache
+from ifb_plugins.common.models.native_decoder import use_native_decoder
+from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType

@@ -1,4 +1,4 @@
-"""Tests for ifb_plugins.common.sampling.sample."""
+"""Tests for ifb_plugins.common.decoding.sampling.sample."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ifb.params import SamplingParams
-from ifb_plugins.common.sampling import SeqSample, _seed_for_step, sample
+from ifb_plugins.common.decoding.sampling import SeqSample, _seed_for_step, sample
 
 GREEDY = SamplingParams(temperature=0.0)
 

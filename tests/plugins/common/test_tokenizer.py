@@ -10,9 +10,9 @@ import pytest
 
 from ifb.runtime import Tokenizer
 from ifb_plugins.text.default_model import resolve_model
-from ifb_plugins.common.gguf_loader import read_metadata
-from ifb_plugins.common.testing import save_tiny_checkpoint
-from ifb_plugins.common.tokenizer import TextTokenizer
+from ifb_plugins.common.loading.gguf import read_metadata
+from tests.models.text import save_tiny_checkpoint
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 MULTIBYTE = "naïve café, 日本語のテキスト, Ελληνικά 🙂🚀"
 
@@ -99,8 +99,7 @@ def test_chat_template_is_sandboxed_and_can_raise(tiny: TextTokenizer) -> None:
 def test_long_texts_tokenize_as_short_ones(tiny: TextTokenizer, tiny_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from ifb_plugins.common import tokenizer as module
-
+    from ifb_plugins.common.chat import tokenizer as module
     text = "Der Zug fährt um 12:30 ab. 🙂 " * (module.LONG_TEXT_CHARS // 10)
     assert len(text) > module.LONG_TEXT_CHARS  # the GIL-free batch path
     assert tiny.encode(text) == AutoTokenizer.from_pretrained(tiny_dir)(text)["input_ids"]
@@ -108,7 +107,7 @@ def test_long_texts_tokenize_as_short_ones(tiny: TextTokenizer, tiny_dir: Path) 
 
 def test_tools_reach_a_template_that_reads_them(tiny: TextTokenizer) -> None:
     from ifb.params import RequestSpec
-    from ifb_plugins.common.prompt import prompt_token_ids, render_chat
+    from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
 
     reads = TextTokenizer(tiny.tokenizer, eos_token_ids=tiny.eos_token_ids, chat_template=(
         "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"

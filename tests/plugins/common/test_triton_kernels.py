@@ -21,9 +21,9 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from ifb_plugins.common import triton_kernels
-from ifb_plugins.common.attention import _decode_attention, build_attn_metadata, paged_attention
-from ifb_plugins.common.model import RMSNorm
+from ifb_plugins.common.layers import triton_kernels
+from ifb_plugins.common.layers.attention import _decode_attention, build_attn_metadata, paged_attention
+from ifb_plugins.common.models.decoder import RMSNorm
 
 # (atol, rtol) per dtype: one or two units in the last place of the output. The
 # interpreter truncates fp32 -> bf16 (a GPU rounds to nearest), so an op that

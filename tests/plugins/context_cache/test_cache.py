@@ -16,7 +16,7 @@ from ifb.params import RequestSpec
 from ifb.runtime import SeqOutput, StepOutput
 from ifb.scheduler import Scheduler
 from ifb_plugins.context_cache.cache import PrefixCache
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 from tests.core.fakes import FakeRuntime
 from tests.helpers import submit_staggered
@@ -93,12 +93,12 @@ def test_different_salt_never_shares_a_block():
     s, cache, _ = cached_scheduler(rt)
     prompt = tuple(range(1, 13))
     a = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
-    a.extras["kv_salt"] = "image-1"
+    a.kv_salt = "image-1"
     s.add(a)
     steps = []
     drain(s, rt, steps)
     b = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
-    b.extras["kv_salt"] = "image-2"
+    b.kv_salt = "image-2"
     s.add(b)
     step = s.schedule()
     assert step.seqs[0].start_pos == 0

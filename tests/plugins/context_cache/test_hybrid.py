@@ -22,7 +22,7 @@ from ifb.kv import BlockManager
 from ifb.params import RequestSpec, SamplingParams
 from ifb.scheduler import Scheduler
 from ifb_plugins.context_cache.hybrid import HybridPrefixCache
-from ifb_plugins.mamba.testing import save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_h
 
 from tests.core.fakes import FakeRuntime
 from tests.helpers import submit_staggered
@@ -39,10 +39,10 @@ class FakeStore:
     captured: dict = attrs.field(factory=dict)
     pending_restores: dict = attrs.field(factory=dict)
 
-    def positions(self, seq) -> list[int]:
+    def positions(self, seq, seat) -> list[int]:
         bs, end = self.block_size, seq.start_pos + len(seq.token_ids)
         ends = range(seq.start_pos // bs * bs + bs, end + 1, bs)
-        return [p for p in ends if p % self.interval == 0 or p == seq.num_prompt_tokens // bs * bs]
+        return [p for p in ends if p % self.interval == 0 or p == seat.num_prompt_tokens // bs * bs]
 
     def has_capture(self, request_id, position):
         return (request_id, position) in self.captured
@@ -68,25 +68,27 @@ class FakeHybridRuntime(FakeRuntime):
     def execute(self, step):
         store = self.state_checkpoints
         store.captured = {}
+        seats = self.seats.apply(step)
         for seat in step.reset_seats:
             self.seat_state[seat] = ()
-        for seq in step.seqs:
+        for seq, seat in zip(step.seqs, seats):
             staged = store.pending_restores.pop(seq.request_id, None)
             if staged is not None and seq.start_pos:
                 assert staged[0] == seq.start_pos
                 self.seat_state[seq.seat] = store.slots[staged[1]]
                 self.restored += 1
-            prefix = seq.all_token_ids[:seq.start_pos]
+            prefix = tuple(seat.all_token_ids)[:seq.start_pos]
             assert self.seat_state[seq.seat] == prefix, "the seat's state is not its prompt's prefix"
             bs = self.kv_block_size
-            assert tuple(self.kv[seq.block_ids[p // bs]][p % bs] for p in range(seq.start_pos)) == prefix
+            assert tuple(self.kv[seat.block_ids[p // bs]][p % bs] for p in range(seq.start_pos)) == prefix
             self.seat_state[seq.seat] = prefix + seq.token_ids
             for offset, token in enumerate(seq.token_ids):
                 p = seq.start_pos + offset
-                self.kv.setdefault(seq.block_ids[p // bs], {})[p % bs] = token
-            for p in store.positions(seq):
-                store.captured[(seq.request_id, p)] = seq.all_token_ids[:p]
-        return super().execute(step)
+                self.kv.setdefault(seat.block_ids[p // bs], {})[p % bs] = token
+            for p in store.positions(seq, seat):
+                store.captured[(seq.request_id, p)] = tuple(seat.all_token_ids)[:p]
+        self.steps.append(step)
+        return self.outputs_for(step, seats)
 
 
 def hybrid_scheduler(num_blocks=48, num_slots=6, seats=4, budget=16, block_size=4, interval=8):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ifb_plugins.mamba.testing import SAVERS, save_tiny_nemotron_h
+from tests.models.hybrid import SAVERS, save_tiny_nemotron_h
 
 
 @pytest.fixture(scope="session")

@@ -79,9 +79,10 @@ def test_staggered_chunked_batch_equals_each_request_alone(family_dir, alone):
     assert [len(r.token_ids) for r in results] == list(MAX_TOKENS)
     assert scheduling["admitted_mid_flight"] > 0
     # Prompts were split into chunks, and some chunk was prefilled beside decoding batch mates.
-    assert any(0 < s.start_pos < s.num_prompt_tokens for step in steps for s in step.seqs)
+    num_prompt = {n.request_id: n.num_prompt_tokens for step in steps for n in step.new_seqs}
+    assert any(0 < s.start_pos < num_prompt[s.request_id] for step in steps for s in step.seqs)
     assert any(any(len(s.token_ids) > 1 for s in step.seqs) and any(len(s.token_ids) == 1 and s.start_pos >=
-               s.num_prompt_tokens for s in step.seqs) for step in steps)
+               num_prompt[s.request_id] for s in step.seqs) for step in steps)
 
 
 def test_a_cancelled_request_leaves_no_state_in_its_seat(family_dir, alone):

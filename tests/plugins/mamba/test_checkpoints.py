@@ -8,12 +8,14 @@ import torch
 
 from ifb.capabilities import DeployConfig
 from ifb.params import SamplingParams
-from ifb.runtime import ScheduledSeq, ScheduledStep
+from tests.helpers import Seq, StepBuilder
 from ifb_plugins.mamba import load
 from ifb_plugins.mamba.checkpoints import StateCheckpoints, plan_capacity, state_bytes
 from ifb_plugins.mamba.config import HybridConfig
 
 GREEDY = SamplingParams(temperature=0.0)
+#: steps as the scheduler sends them: a request in a reset seat arrives new
+STEPS = StepBuilder()
 PROMPT = tuple((11 * i + 5) % 290 + 3 for i in range(45))
 
 
@@ -23,21 +25,21 @@ def runtime(hybrid_dir):
                              enable_context_reuse=True, options={"hybrid_checkpoint_interval": 16}))
 
 
-def seq(rid: str, seat: int, start: int, n: int, blocks=(0, 1, 2)) -> ScheduledSeq:
-    return ScheduledSeq(request_id=rid, seat=seat, token_ids=PROMPT[start:start + n], start_pos=start,
+def seq(rid: str, seat: int, start: int, n: int, blocks=(0, 1, 2)) -> Seq:
+    return Seq(request_id=rid, seat=seat, token_ids=PROMPT[start:start + n], start_pos=start,
                         block_ids=blocks, is_sampling=start + n == len(PROMPT), params=GREEDY,
                         num_prompt_tokens=len(PROMPT), all_token_ids=PROMPT)
 
 
 def test_a_chunk_captures_the_state_it_had_at_each_checkpoint_inside_it(runtime):
     store = runtime.state_checkpoints
-    assert store.checkpoint_positions(seq("a", 0, 0, 45)) == [16, 32]  # the interval; the prompt end is 32 too
-    runtime.execute(ScheduledStep(1, (seq("a", 0, 0, 45),), reset_seats=(0,)))
+    assert store.checkpoint_positions(seq("a", 0, 0, 45), len(PROMPT)) == [16, 32]  # the interval; the prompt end is 32 too
+    runtime.execute(STEPS.step(1, (seq("a", 0, 0, 45),), reset_seats=(0,)))
     assert store.has_capture("a", 16) and store.has_capture("a", 32) and not store.has_capture("a", 45)
     store.save("a", 16, 0)
     store.save("a", 32, 1)
     for slot, n in ((0, 16), (1, 32)):  # the same prompt prefilled to exactly n tokens on the other seat
-        runtime.execute(ScheduledStep(2, (seq("b", 1, 0, n, blocks=(3, 4, 5)),), reset_seats=(1,)))
+        runtime.execute(STEPS.step(2, (seq("b", 1, 0, n, blocks=(3, 4, 5)),), reset_seats=(1,)))
         conv, ssm = runtime.seat_state(1)
         for layer in range(len(conv)):
             assert torch.equal(store.conv[layer][slot], conv[layer])
@@ -45,27 +47,27 @@ def test_a_chunk_captures_the_state_it_had_at_each_checkpoint_inside_it(runtime)
 
 
 def test_a_prompt_that_fills_its_last_block_keeps_the_boundary_before_it_too(runtime):
-    full = ScheduledSeq(request_id="r", seat=0, token_ids=PROMPT[:40] + (7,) * 8, start_pos=0, block_ids=(0, 1, 2),
+    full = Seq(request_id="r", seat=0, token_ids=PROMPT[:40] + (7,) * 8, start_pos=0, block_ids=(0, 1, 2),
                         is_sampling=True, params=GREEDY, num_prompt_tokens=48, all_token_ids=PROMPT[:40] + (7,) * 8)
     store = StateCheckpoints(runtime.model.config, num_slots=1, interval=64, block_size=16)
     # 48: prompts that extend this one; 32: this prompt again (a match leaves its last token to compute)
-    assert store.checkpoint_positions(full) == [32, 48]
-    assert store.checkpoint_positions(attrs.evolve(full, num_prompt_tokens=45)) == [32]
+    assert store.checkpoint_positions(full, full.num_prompt_tokens) == [32, 48]
+    assert store.checkpoint_positions(full, 45) == [32]
 
 
 def test_a_restored_seat_continues_exactly_as_if_it_had_computed_the_prefix(runtime):
     store = runtime.state_checkpoints
-    full = runtime.execute(ScheduledStep(3, (seq("a", 0, 0, 45),), reset_seats=(0,)))
+    full = runtime.execute(STEPS.step(3, (seq("a", 0, 0, 45),), reset_seats=(0,)))
     store.save("a", 32, 1)
     # seat 1 starts at token 32 from the checkpoint, over the first request's KV blocks 0 and 1
     store.stage_restore("b", 32, 1)
-    resumed = runtime.execute(ScheduledStep(4, (seq("b", 1, 32, 13, blocks=(0, 1, 6)),), reset_seats=(1,)))
+    resumed = runtime.execute(STEPS.step(4, (seq("b", 1, 32, 13, blocks=(0, 1, 6)),), reset_seats=(1,)))
     assert not store.pending_restores
     assert resumed.seqs[0].token_id == full.seqs[0].token_id
     assert all(torch.equal(a, b) for a, b in zip(runtime.seat_state(0)[1], runtime.seat_state(1)[1]))
     with pytest.raises(ValueError, match="resumes at token 30, but its state checkpoint is at token 32"):
         store.stage_restore("c", 32, 1)
-        runtime.execute(ScheduledStep(5, (seq("c", 1, 30, 15, blocks=(0, 1, 6)),), reset_seats=(1,)))
+        runtime.execute(STEPS.step(5, (seq("c", 1, 30, 15, blocks=(0, 1, 6)),), reset_seats=(1,)))
 
 
 def test_slots_come_out_of_the_capacity():

@@ -84,10 +84,15 @@ def test_requests_the_engine_refuses_name_the_reason(hybrid_dir):
         assert out.num_output_tokens == 4 and out.finish_reason == "length"
 
 
-def test_blocking_path_serves_n_sequences_up_to_the_seats(hybrid_dir):
+def test_blocking_path_serves_n_sequences_one_after_another(hybrid_dir):
+    """The blocking path has one seat: an n > 1 request's sequences take it in turn (more than the state's
+    seats too), each seeded seed + i, and the request ends with the last of them."""
     with LLM(model=str(hybrid_dir), plugin="mamba", max_batch_size=2) as llm:
         outputs = list(llm.engine.submit(RequestSpec(prompt="The quick brown fox", params=SamplingParams(
-            n=2, seed=5, max_tokens=3, ignore_eos=True))))
-        assert {o.index for o in outputs} == {0, 1} and outputs[-1].finished
-        with pytest.raises(InvalidRequest, match="n=3 needs 3 state seats; this deployment has 2"):
-            llm.engine.submit(RequestSpec(prompt="hi", params=SamplingParams(n=3)))
+            n=3, seed=5, max_tokens=3, ignore_eos=True))))
+        assert {o.index for o in outputs} == {0, 1, 2} and outputs[-1].finished
+        assert [o.finished for o in outputs].count(True) == 1
+        alone = [llm.engine.submit(RequestSpec(prompt="The quick brown fox", params=SamplingParams(
+            seed=5 + i, max_tokens=3, ignore_eos=True))).result().token_ids for i in range(3)]
+        assert [tuple(t for o in outputs if o.index == i for t in o.token_ids) for i in range(3)] == alone
+        assert llm.health() == {"in_flight_batching": False, "max_num_seqs": 1}

@@ -15,7 +15,7 @@ from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import allocate_cache
-from ifb_plugins.mamba.testing import SAVERS, hf_reference
+from tests.models.hybrid import SAVERS, hf_reference
 
 FAMILIES = list(SAVERS)
 PROMPTS = [

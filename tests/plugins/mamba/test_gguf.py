@@ -10,7 +10,7 @@ from ifb import LLM
 from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.mamba.config import ConfigError
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
-from ifb_plugins.mamba.testing import hf_reference, save_hybrid_gguf, save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import hf_reference, save_hybrid_gguf, save_tiny_granite_hybrid, save_tiny_nemotron_h
 
 from tests.plugins.mamba.test_families import PROMPTS, our_logits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ifb.capabilities import DeployConfig
-from ifb_plugins.common import runtime as common_runtime
+from ifb_plugins.common.runtime import text as common_runtime
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.runtime import HybridRuntime, kv_bytes_per_token
 

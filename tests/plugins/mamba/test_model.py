@@ -15,8 +15,8 @@ from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import allocate_cache
-from ifb_plugins.mamba.testing import save_tiny_nemotron_h
-from ifb_plugins.common.hf_loader import load_hf_state_dict
+from tests.models.hybrid import save_tiny_nemotron_h
+from ifb_plugins.common.loading.hf import load_hf_state_dict
 
 PROMPT = [5, 77, 13, 250, 9, 31, 31, 180, 4, 66, 120, 7, 299, 42, 3, 88, 15, 201, 19, 140, 23, 60, 11, 97, 300]
 

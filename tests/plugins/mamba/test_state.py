@@ -7,11 +7,13 @@ import torch
 
 from ifb.capabilities import DeployConfig
 from ifb.params import SamplingParams
-from ifb.runtime import ScheduledSeq, ScheduledStep
+from tests.helpers import Seq, StepBuilder
 from ifb_plugins.mamba import load
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = tuple((7 * i + 3) % 300 + 3 for i in range(31))
+#: steps as the scheduler sends them: a request in a reset seat arrives new
+STEPS = StepBuilder()
 BLOCKS = {0: (0, 1, 2), 1: (3, 4, 5), 2: (6, 7, 8), 3: (9, 10, 11)}  # per seat: its own KV blocks
 
 
@@ -20,8 +22,8 @@ def runtime(hybrid_dir):
     return load(DeployConfig(model=str(hybrid_dir), plugin="mamba", max_batch_size=4))
 
 
-def seq(seat: int, prompt: tuple[int, ...], start: int, n: int, rid: str | None = None) -> ScheduledSeq:
-    return ScheduledSeq(request_id=rid or f"seat{seat}", seat=seat, token_ids=prompt[start:start + n],
+def seq(seat: int, prompt: tuple[int, ...], start: int, n: int, rid: str | None = None) -> Seq:
+    return Seq(request_id=rid or f"seat{seat}", seat=seat, token_ids=prompt[start:start + n],
                         start_pos=start, block_ids=BLOCKS[seat], is_sampling=start + n == len(prompt),
                         params=GREEDY, num_prompt_tokens=len(prompt), all_token_ids=prompt)
 
@@ -38,7 +40,7 @@ def prefill(runtime, seat: int, chunks: list[int], mate: int | None = None) -> i
             seqs.insert(0, seq(mate, other, other_start, m))
             other_start += m
         resets = tuple(s.seat for s in seqs if s.start_pos == 0)
-        out = runtime.execute(ScheduledStep(step_id=i, seqs=tuple(seqs), reset_seats=resets))
+        out = runtime.execute(STEPS.step(i, tuple(seqs), reset_seats=resets))
         start += n
         token = next(o.token_id for o in out.seqs if o.request_id == f"seat{seat}")
     assert start == len(PROMPT)
@@ -63,11 +65,11 @@ def test_a_reset_seat_starts_clean_and_the_state_matters(runtime):
     clean = prefill(runtime, 1, [len(PROMPT)])
     clean_conv, clean_ssm = runtime.seat_state(1)
     # Seat 1 now holds a finished prompt's state; running the prompt again without a reset leaks it.
-    runtime.execute(ScheduledStep(step_id=99, seqs=(seq(1, PROMPT, 0, len(PROMPT)),)))
+    runtime.execute(STEPS.step(99, (seq(1, PROMPT, 0, len(PROMPT)),)))
     _, leaked_ssm = runtime.seat_state(1)
     assert not any(torch.equal(a, b) for a, b in zip(leaked_ssm, clean_ssm))
     # With the seat named in reset_seats the dirty state is zeroed first.
-    out = runtime.execute(ScheduledStep(step_id=100, seqs=(seq(1, PROMPT, 0, len(PROMPT)),), reset_seats=(1,)))
+    out = runtime.execute(STEPS.step(100, (seq(1, PROMPT, 0, len(PROMPT)),), reset_seats=(1,)))
     conv, ssm = runtime.seat_state(1)
     assert out.seqs[0].token_id == clean
     assert all(torch.equal(a, b) for a, b in zip(conv + ssm, clean_conv + clean_ssm))
@@ -85,5 +87,5 @@ def test_release_clears_only_that_seat(runtime):
 
 def test_a_seat_outside_the_state_is_refused(runtime):
     with pytest.raises(ValueError, match="outside the 4 seats"):
-        runtime.execute(ScheduledStep(step_id=1, seqs=(
-            ScheduledSeq("x", 4, PROMPT[:3], 0, BLOCKS[0], True, GREEDY, 3, PROMPT[:3]),)))
+        runtime.execute(STEPS.step(1, (
+            Seq("x", 4, PROMPT[:3], 0, BLOCKS[0], True, GREEDY, 3, PROMPT[:3]),)))

@@ -96,7 +96,7 @@ def test_spoken_reply_equals_the_reference_end_to_end(omni_reference_model, spea
                        extras={"generate_audio": True, "audio": {"voice": "Ethan", "format": "pcm", "max_frames": 9}})
     final = deployment.engine.submit(spec, wait=True).result()
     assert list(final.token_ids) == sequences[0, len(PROMPT):].tolist()
-    samples = np.frombuffer(final.extras["speech"]["data"], dtype="<i2").astype(np.float32) / 32767.0
+    samples = np.frombuffer(final.audio.data, dtype="<i2").astype(np.float32) / 32767.0
     expected = wav[0, 0].numpy()
     assert samples.shape == expected.shape and samples.size > 0
     assert np.abs(samples - expected).max() <= 1e-4  # 16-bit rounding is 1.5e-5

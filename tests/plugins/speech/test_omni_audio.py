@@ -20,14 +20,14 @@ import torch
 
 from ifb import LLM
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
-from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.model import allocate_kv_cache
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.decoder import allocate_kv_cache
 from ifb_plugins.speech.omni_audio import load_audio_encoder
 
 from tests.helpers import submit_staggered
 
 from .omni_reference import feature_extractor, omni_tokenizer
+from tests.helpers import one_seat_step
 
 TOKENIZER = omni_tokenizer()
 AUDIO_PAD = TOKENIZER.convert_tokens_to_ids("<|audio_pad|>")
@@ -107,16 +107,13 @@ def first_logits(runtime, prepared) -> torch.Tensor:
     """Float32 logits ``[V]`` after the whole prompt, in one prefill over a fresh cache."""
     ids = prepared.prompt_token_ids
     num_blocks = -(-len(ids) // runtime.kv_block_size) + 1
-    seq = ScheduledSeq(request_id="r", seat=0, token_ids=tuple(ids), start_pos=0, block_ids=tuple(range(num_blocks)),
-                       is_sampling=True, params=GREEDY, num_prompt_tokens=len(ids), all_token_ids=tuple(ids),
-                       extras=prepared.extras)
-    step = ScheduledStep(step_id=0, seqs=(seq,))
+    step, seats = one_seat_step(prepared, tuple(range(num_blocks)), GREEDY)
     caches = allocate_kv_cache(runtime.model.config, num_blocks, runtime.kv_block_size)
-    attn = build_attn_metadata([(0, len(ids), seq.block_ids)], runtime.kv_block_size, torch.device("cpu"))
+    attn = build_attn_metadata([(0, len(ids), seats[0].block_ids)], runtime.kv_block_size, torch.device("cpu"))
     input_ids = torch.tensor(ids)
     with torch.inference_mode():
-        hidden = runtime.model(input_ids, runtime.step_positions(step), attn, caches,
-                               runtime.step_embeddings(step, input_ids))
+        hidden = runtime.model(input_ids, runtime.step_positions(step, seats), attn, caches,
+                               runtime.step_embeddings(step, seats, input_ids))
         return runtime.model.compute_logits(hidden[-1:])[0]
 
 

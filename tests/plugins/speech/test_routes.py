@@ -101,8 +101,8 @@ def test_audio_is_sent_as_its_codes_are_decoded(deployment, pcm):
         outputs = list(deployment.engine.submit(spec, wait=True))
     finally:
         runtime.stream_frames = type(runtime).stream_frames
-    chunks = [out.extras["audio_chunk"] for out in outputs if "audio_chunk" in out.extras]
-    num_frames = outputs[-1].extras["speech"]["num_frames"]
+    chunks = [out.audio_chunk for out in outputs if out.audio_chunk]
+    num_frames = outputs[-1].audio.num_frames
     assert len(chunks) == -(-num_frames // 4) >= 2
     assert len(chunks[0]) == 4 * SAMPLES_PER_FRAME * 2  # the first 4 frames, before the others were made
     assert not outputs[0].finished

@@ -12,10 +12,10 @@ from torch import nn
 from ifb import LLM, SamplingParams
 from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
-from ifb_plugins.common import qkernels, quant
-from ifb_plugins.common.loader import build_model, load_checkpoint
-from ifb_plugins.common.native_decoder import NativeDecoder
-from ifb_plugins.common.testing import save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.quant import kernels as qkernels, linear as quant
+from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.models.native_decoder import NativeDecoder
+from tests.models.text import save_tiny_checkpoint, save_tiny_gguf
 from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, prepare_model, quantization_mode
 from tests.helpers import submit_staggered
 from tests.plugins.common.test_quant import PROMPTS, needs_kernels

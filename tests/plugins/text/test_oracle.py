@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ifb_plugins.text.default_model import resolve_model
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.common.model import TextModel
-from ifb_plugins.common.testing import greedy_generate_batch
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model, load_checkpoint
+from ifb_plugins.common.models.decoder import TextModel
+from tests.models.text import greedy_generate_batch
 from tests.plugins.common.test_loaders import prefill_logits
 
 pytestmark = pytest.mark.e2e

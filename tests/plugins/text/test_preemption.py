@@ -7,7 +7,7 @@ import pytest
 
 from ifb import LLM, SamplingParams
 from ifb.params import RequestSpec
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 PROMPTS = [list(range(5 + 3 * i, 5 + 3 * i + n)) for i, n in enumerate([9, 14, 6, 11])]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from ifb import LLM, SamplingParams
 from ifb.engine import RequestRejected
 from ifb.params import InvalidRequest, RequestSpec
-from ifb_plugins.common.testing import save_tiny_checkpoint
+from tests.models.text import save_tiny_checkpoint
 
 from tests.helpers import submit_staggered
 
@@ -170,10 +170,10 @@ def test_blocking_path_serves_lora_n_and_system_prompt_capture(checkpoint, tmp_p
         system = [{"role": "system", "content": "You are a terse assistant. " * 8}]
         first = llm.chat(system + [{"role": "user", "content": "one"}], GREEDY, save_system_prompt_kv_cache=True)
         runtime = llm.deployment.runtime
-        assert runtime.system_prompts.captured
-        hits = runtime.system_prompts.num_hit_tokens
+        assert llm.engine.prefix.captured
+        hits = llm.engine.prefix.num_hit_tokens
         again = llm.chat(system + [{"role": "user", "content": "one"}], GREEDY)
-        assert runtime.system_prompts.num_hit_tokens > hits  # reused, not recomputed
+        assert llm.engine.prefix.num_hit_tokens > hits  # reused, not recomputed
         assert again.token_ids == first.token_ids
         assert llm.health() == {"in_flight_batching": False, "max_num_seqs": 1}
     finally:

@@ -10,10 +10,10 @@ from PIL import Image
 
 from ifb import SamplingParams
 from ifb.params import RequestSpec
-from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.model import allocate_kv_cache
-from ifb_plugins.vlm.testing import audio_part, image_part
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.decoder import allocate_kv_cache
+from tests.models.media import audio_part, image_part
+from tests.helpers import one_seat_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 
@@ -41,16 +41,13 @@ def first_logits(runtime, prepared) -> torch.Tensor:
     """Float32 logits ``[V]`` after the whole prompt, in one prefill over a fresh cache."""
     ids = prepared.prompt_token_ids
     num_blocks = -(-len(ids) // runtime.kv_block_size) + 1
-    seq = ScheduledSeq(request_id="r", seat=0, token_ids=tuple(ids), start_pos=0, block_ids=tuple(range(num_blocks)),
-                       is_sampling=True, params=GREEDY, num_prompt_tokens=len(ids), all_token_ids=tuple(ids),
-                       extras=prepared.extras)
-    step = ScheduledStep(step_id=0, seqs=(seq,))
+    step, seats = one_seat_step(prepared, tuple(range(num_blocks)), GREEDY)
     model = runtime.model
     caches = allocate_kv_cache(model.config, num_blocks, runtime.kv_block_size)
-    attn = build_attn_metadata([(0, len(ids), seq.block_ids)], runtime.kv_block_size, torch.device("cpu"))
+    attn = build_attn_metadata([(0, len(ids), seats[0].block_ids)], runtime.kv_block_size, torch.device("cpu"))
     input_ids = torch.tensor(ids)
     with torch.inference_mode():
-        hidden = model(input_ids, torch.arange(len(ids)), attn, caches, runtime.step_embeddings(step, input_ids))
+        hidden = model(input_ids, torch.arange(len(ids)), attn, caches, runtime.step_embeddings(step, seats, input_ids))
         return model.compute_logits(hidden[-1:])[0]
 
 

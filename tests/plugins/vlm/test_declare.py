@@ -16,7 +16,7 @@ from ifb.params import RequestSpec
 from ifb.plugins import default_host
 from ifb_plugins.vlm import VARIANTS, declare, pruner_ratio
 from ifb_plugins.vlm.families import FAMILIES, load_vlm
-from ifb_plugins.vlm.testing import image_part, png_bytes
+from tests.models.media import image_part, png_bytes
 
 
 
@@ -120,7 +120,7 @@ def test_bad_pruner_fails_at_start_up(vlm_checkpoint):
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
     transformers = pytest.importorskip("transformers")
-    from ifb_plugins.common.config import TextModelConfig
+    from ifb_plugins.common.models.config import TextModelConfig
     from ifb_plugins.vlm.checkpoint import with_text_defaults
 
     # the special ids are the tokenizer's and the generation config's business, not the shapes'
@@ -132,7 +132,7 @@ def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
 @pytest.mark.parametrize("model_type", ["clip_vision_model", "siglip_vision_model"])
 def test_vision_configs_get_the_reference_defaults(model_type):
     transformers = pytest.importorskip("transformers")
-    from ifb_plugins.common.vision import VisionConfig
+    from ifb_plugins.common.media.vision import VisionConfig
 
     reference = transformers.AutoConfig.for_model(model_type).to_dict()
     assert VisionConfig.from_hf({"model_type": model_type}) == VisionConfig.from_hf(reference)

@@ -8,8 +8,8 @@ import transformers
 
 from ifb import LLM, SamplingParams
 from ifb_plugins.vlm.families import load_vlm
-from ifb_plugins.common.media import MediaItem
-from ifb_plugins.vlm.testing import png_bytes
+from ifb_plugins.common.media.parts import MediaItem
+from tests.models.media import png_bytes
 
 from tests.plugins.vlm import tiny
 from tests.plugins.vlm.compare import (

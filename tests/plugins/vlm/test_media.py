@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from ifb.params import InvalidRequest
-from ifb_plugins.common.media import decode_image, decode_wav, fetch_image_bytes, parse_messages
+from ifb_plugins.common.media.parts import decode_image, decode_wav, fetch_image_bytes, parse_messages
 from ifb_plugins.vlm.pruning import num_kept
-from ifb_plugins.common.mel import log_mel_features, mel_filterbank, resample_linear
-from ifb_plugins.vlm.testing import audio_part, image_part, png_bytes, wav_bytes
+from ifb_plugins.common.media.mel import log_mel_features, mel_filterbank, resample_linear
+from tests.models.media import audio_part, image_part, png_bytes, wav_bytes
 
 PARSE = dict(modalities={"image", "audio"}, sampling_rate=16000)
 

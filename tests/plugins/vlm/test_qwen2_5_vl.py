@@ -13,10 +13,10 @@ from PIL import Image
 
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest, RequestSpec
-from ifb.runtime import ScheduledSeq, ScheduledStep
 from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen2_5_vl
 
 from tests.helpers import submit_staggered
+from tests.helpers import one_seat_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,22 +120,20 @@ def test_prompt_and_first_step_logits_equal_transformers(llm, processor, referen
     assert ids == inputs["input_ids"][0].tolist()  # the template, the placeholder expansion
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
-    seq = ScheduledSeq(request_id="r", seat=0, token_ids=tuple(ids), start_pos=0,
-                       block_ids=tuple(range(-(-len(ids) // runtime.kv_block_size))), is_sampling=True,
-                       params=GREEDY, num_prompt_tokens=len(ids), all_token_ids=tuple(ids), extras=prepared.extras)
-    step = ScheduledStep(step_id=0, seqs=(seq,))
+    step, seats = one_seat_step(prepared, tuple(range(-(-len(ids) // runtime.kv_block_size))), GREEDY)
+    seq = step.seqs[0]
     tokens = torch.tensor(ids)
     with torch.inference_mode():
-        hidden = runtime.model(tokens, runtime.step_positions(step), _attn(runtime, seq), runtime.kv_caches,
-                               runtime.step_embeddings(step, tokens))
+        hidden = runtime.model(tokens, runtime.step_positions(step, seats), _attn(runtime, seq, seats[0]), runtime.kv_caches,
+                               runtime.step_embeddings(step, seats, tokens))
         logits = runtime.model.compute_logits(hidden[-1:])[0]
     assert (logits - expected).abs().max() <= 1e-4
 
 
-def _attn(runtime, seq):
-    from ifb_plugins.common.attention import build_attn_metadata
+def _attn(runtime, seq, seat):
+    from ifb_plugins.common.layers.attention import build_attn_metadata
 
-    return build_attn_metadata([(seq.start_pos, len(seq.token_ids), seq.block_ids)], runtime.kv_block_size)
+    return build_attn_metadata([(seq.start_pos, len(seq.token_ids), seat.block_ids)], runtime.kv_block_size)
 
 
 def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
@@ -205,7 +203,7 @@ def test_a_heavily_pruned_image_may_place_text_past_its_context_index(pruned):
     finally:
         runtime.pruner_ratio = 0.5
     assert prepared.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2
-    assert prepared.extras["media_positions"].delta > 0
+    assert prepared.state.media.positions.delta > 0
     assert len(result.token_ids) == NUM_TOKENS
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from ifb_plugins.common.attention import build_attn_metadata
-from ifb_plugins.common.hf_loader import load_hf_state_dict
-from ifb_plugins.common.loader import LoadedCheckpoint, build_model
-from ifb_plugins.common.model import allocate_kv_cache
-from ifb_plugins.common.mrope import grid_ids, prompt_positions
-from ifb_plugins.common.qwen2_5_vl_vision import Qwen2_5VisionTower
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.loading.hf import load_hf_state_dict
+from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model
+from ifb_plugins.common.models.decoder import allocate_kv_cache
+from ifb_plugins.common.layers.mrope import grid_ids, prompt_positions
+from ifb_plugins.common.media.qwen2_5_vl_vision import Qwen2_5VisionTower
 from ifb_plugins.vlm.qwen2_5_vl import Qwen2_5VLConfig, split_state
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
 from tests.plugins.vlm.tiny_qwen2_5_vl import (
     IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, load_processor, save_tiny_qwen2_5_vl,
 )

@@ -12,8 +12,8 @@ from transformers.masking_utils import create_bidirectional_mask
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest
 from ifb_plugins.vlm.families import load_vlm
-from ifb_plugins.common.media import MediaItem, decode_wav
-from ifb_plugins.vlm.testing import wav_bytes
+from ifb_plugins.common.media.parts import MediaItem, decode_wav
+from tests.models.media import wav_bytes
 
 from tests.plugins.vlm import tiny
 from tests.plugins.vlm.compare import (
@@ -108,10 +108,10 @@ def test_audio_requests_join_mid_flight_and_match_their_output_alone(served):
 def test_images_are_refused_and_audio_is_never_pruned(checkpoint):
     path = checkpoint[0]
     with LLM(str(path), plugin="vlm", enable_in_flight_batching=True, visual_token_pruner=0.25) as llm:
-        from ifb_plugins.vlm.testing import image_part, png_bytes
+        from tests.models.media import image_part, png_bytes
 
         with pytest.raises(InvalidRequest, match="takes no image input"):
             llm.engine.submit(chat([image_part(png_bytes(0))]))
         prepared = llm.deployment.runtime.prepare(chat(openai_content(PROMPTS["one clip"])))
-        (rows, _), = prepared.extras["media_embeds"]
+        (rows, _), = prepared.state.media.embeds
         assert len(rows) == 10  # 0.4 s: 40 frames, 20 positions, pooled to 10

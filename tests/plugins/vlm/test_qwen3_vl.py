@@ -10,15 +10,15 @@ import torch
 from PIL import Image
 
 from ifb import LLM, SamplingParams
-from ifb.runtime import ScheduledSeq, ScheduledStep
-from ifb_plugins.common.hf_loader import load_hf_state_dict
+from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.vlm.qwen2_5_vl import split_state
-from ifb_plugins.common.qwen2_5_vl_image import QwenVLImageProcessing
-from ifb_plugins.common.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
+from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
+from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
 from tests.helpers import submit_staggered
 from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, ours, picture, reference_inputs, trace
 from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen3_vl
+from tests.helpers import one_seat_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,14 +89,12 @@ def test_prompt_and_first_step_logits_equal_transformers(llm, processor, referen
     assert ids == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
-    seq = ScheduledSeq(request_id="r", seat=0, token_ids=tuple(ids), start_pos=0,
-                       block_ids=tuple(range(-(-len(ids) // runtime.kv_block_size))), is_sampling=True,
-                       params=GREEDY, num_prompt_tokens=len(ids), all_token_ids=tuple(ids), extras=prepared.extras)
-    step = ScheduledStep(step_id=0, seqs=(seq,))
+    step, seats = one_seat_step(prepared, tuple(range(-(-len(ids) // runtime.kv_block_size))), GREEDY)
+    seq = step.seqs[0]
     tokens = torch.tensor(ids)
     with torch.inference_mode():
-        hidden = runtime.model(tokens, runtime.step_positions(step), _attn(runtime, seq), runtime.kv_caches,
-                               runtime.step_embeddings(step, tokens))
+        hidden = runtime.model(tokens, runtime.step_positions(step, seats), _attn(runtime, seq, seats[0]), runtime.kv_caches,
+                               runtime.step_embeddings(step, seats, tokens))
         logits = runtime.model.compute_logits(hidden[-1:])[0]
     assert (logits - expected).abs().max() <= 1e-4
 
@@ -136,8 +134,8 @@ def test_pruning_cuts_image_rows_with_their_deepstack_features(llm):
         result = alone(llm, spec)
     finally:
         runtime.pruner_ratio = None
-    (_, full_rows), = full.extras["media_embeds"]
-    (_, kept_rows), = kept.extras["media_embeds"]
+    (_, full_rows), = full.state.media.embeds
+    (_, kept_rows), = kept.state.media.embeds
     assert kept_rows.shape[1] == full_rows.shape[1] == 3 * 64  # embedding + two DeepStack features
     assert kept.prompt_token_ids.count(IMAGE_TOKEN_ID) == -(-full.prompt_token_ids.count(IMAGE_TOKEN_ID) // 2)
     matches = [int((full_rows == row).all(dim=1).nonzero()[0]) for row in kept_rows]

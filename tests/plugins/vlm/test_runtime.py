@@ -9,7 +9,7 @@ import pytest
 
 from ifb import LLM, SamplingParams
 from ifb.params import InvalidRequest, RequestSpec
-from ifb_plugins.vlm.testing import audio_part, image_part, png_bytes, wav_bytes
+from tests.models.media import audio_part, image_part, png_bytes, wav_bytes
 
 from tests.helpers import submit_staggered
 
@@ -67,7 +67,7 @@ def test_placeholders_expand_to_one_token_per_embedding(llm):
     runtime = llm.deployment.runtime
     text = runtime.prepare(chat([{"type": "text", "text": "What is in this picture?"}]))
     prepared = runtime.prepare(image_chat(1))
-    spans = prepared.extras["media_embeds"]
+    spans = prepared.state.media.embeds
     assert len(spans) == 1 and spans[0][1].shape == (NUM_IMAGE_TOKENS, runtime.model.config.hidden_size)
     rows = spans[0][0].tolist()
     image_id = runtime.encoders["image"].placeholder_id
@@ -75,15 +75,15 @@ def test_placeholders_expand_to_one_token_per_embedding(llm):
     assert [prepared.prompt_token_ids[r] for r in rows] == [image_id] * NUM_IMAGE_TOKENS
     # the template renders the placeholder and its newline; nothing else changes
     assert len(prepared.prompt_token_ids) - NUM_IMAGE_TOKENS - len(text.prompt_token_ids) in (0, 1)
-    assert [len(r) for r, _ in runtime.prepare(two_image_chat(2)).extras["media_embeds"]] == [NUM_IMAGE_TOKENS] * 2
+    assert [len(r) for r, _ in runtime.prepare(two_image_chat(2)).state.media.embeds] == [NUM_IMAGE_TOKENS] * 2
 
 
 def test_different_media_get_different_kv_salts(llm):
     prepare = llm.deployment.runtime.prepare
-    salts = [prepare(spec).extras["kv_salt"] for spec in (image_chat(1), image_chat(1), image_chat(2), two_image_chat(1))]
+    salts = [prepare(spec).kv_salt for spec in (image_chat(1), image_chat(1), image_chat(2), two_image_chat(1))]
     assert salts[0] == salts[1]
     assert len({salts[0], salts[2], salts[3]}) == 3
-    assert "kv_salt" not in prepare(text_chat("no media")).extras
+    assert prepare(text_chat("no media")).kv_salt is None
 
 
 def test_bad_media_is_refused_at_submit(llm):
@@ -126,7 +126,7 @@ def test_local_image_files_are_read_only_inside_the_allowed_directory(llm, tmp_p
             local = prepare(chat([{"type": "text", "text": "What is in this picture?"},
                                   {"type": "image_url", "image_url": {"url": url}}]))
             assert local.prompt_token_ids == inline.prompt_token_ids
-            assert local.extras["kv_salt"] == inline.extras["kv_salt"]
+            assert local.kv_salt == inline.kv_salt
         for url in (str(outside), str(allowed / ".." / "secret.png")):
             with pytest.raises(InvalidRequest, match="under the allowed media directory"):
                 prepare(chat([{"type": "image_url", "image_url": {"url": url}}]))
@@ -140,8 +140,8 @@ def test_pruner_keeps_the_ratio_of_visual_tokens(llm, pruned):
     full = llm.deployment.runtime.prepare(image_chat(1))
     kept = pruned.deployment.runtime.prepare(image_chat(1))
     assert len(full.prompt_token_ids) - len(kept.prompt_token_ids) == NUM_IMAGE_TOKENS - NUM_IMAGE_TOKENS // 4
-    (_, full_rows), = full.extras["media_embeds"]
-    (_, kept_rows), = kept.extras["media_embeds"]
+    (_, full_rows), = full.state.media.embeds
+    (_, kept_rows), = kept.state.media.embeds
     # the kept rows are rows of the unpruned embedding, in their original order
     matches = [int((full_rows == row).all(dim=1).nonzero()[0]) for row in kept_rows]
     assert matches == sorted(matches) and len(set(matches)) == NUM_IMAGE_TOKENS // 4

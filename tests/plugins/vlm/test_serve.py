@@ -13,7 +13,7 @@ import openai
 import pytest
 import transformers
 
-from ifb_plugins.vlm.testing import image_part, png_bytes
+from tests.models.media import image_part, png_bytes
 
 from tests.plugins.vlm import tiny
 from tests.plugins.vlm.compare import hf_content, pil, reference_greedy, reference_inputs

@@ -21,7 +21,7 @@ import transformers
 from tokenizers import AddedToken
 from transformers.conversion_mapping import get_model_conversion_mapping
 
-from ifb_plugins.common.testing import SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import SPECIAL_TOKENS, train_tiny_tokenizer
 
 #: llava-hf/llava-1.5-7b-hf's template (images first, then text; ``{% generation %}`` around replies)
 LLAVA_TEMPLATE = (

@@ -1,0 +1,84 @@
+"""The action plugin: vision-language-action models whose requests carry a past trajectory (the robot
+state) and return a planned one. pi0, as transformers defines and saves it, is the reference.
+
+A request is one user message (camera images and the task) plus a ``trajectory`` content part; the
+backbone runs the prefix, the action expert denoises ``chunk_size`` actions over the flow-matching
+steps, and the answer's ``output_trajectory`` holds them. Served on the blocking path; under
+``--enable-in-flight-batching`` trajectory execution is rejected with the spec's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ifb import hookimpl
+from ifb.capabilities import (
+    DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
+)
+from ifb.options import BLOCKING, TRAJECTORY_BLOCKING_ONLY
+
+log = logging.getLogger("ifb.action")
+
+NOT_TEXT = "pi0 answers with a planned trajectory; it generates no text."
+
+
+def action_options() -> dict[str, OptionSupport]:
+    return {
+        "plain_text": OptionSupport(
+            Support.SERVED, reason="pi0 generates no text: its answer is the plan (streamed as one last chunk); every "
+                                   "request carries a trajectory (the pastTrajectory row)."),
+        "past_trajectory": OptionSupport(Support.REJECTED, reason=TRAJECTORY_BLOCKING_ONLY, alternative=BLOCKING),
+        "media_under_pruner": OptionSupport(
+            Support.SERVED, reason="No visual-token pruner: the camera images are part of every request's prefix."),
+        "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason=NOT_TEXT),
+        "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason=NOT_TEXT),
+        "save_system_prompt_kv_cache": OptionSupport(Support.NOT_APPLICABLE, reason="No system-prompt capture is built."),
+        "lora": OptionSupport(Support.NOT_APPLICABLE, reason="No LoRA adapters are built for pi0."),
+        "n_sequences": OptionSupport(Support.NOT_APPLICABLE, reason="One plan per request (send several requests)."),
+    }
+
+
+def declare(config: DeployConfig) -> DeploymentCaps:
+    return DeploymentCaps(
+        stepped_execution=True, seated_admission=True, max_batch_size=max(1, config.max_batch_size),
+        num_ranks=config.num_ranks, batch_invariant_verified=False, options=action_options(),
+        endpoints={"chat.completions": EndpointSupport.SERVED, "completions": EndpointSupport.ABSENT},
+        supports_prefix_reuse=False, prefix_reuse_note="pi0's prefix is bidirectional and computed whole per request.",
+    )
+
+
+def load(config: DeployConfig):
+    from pathlib import Path
+
+    from ifb_plugins.action.checkpoint import load_pi0
+    from ifb_plugins.action.processor import Pi0Processing
+    from ifb_plugins.action.runtime import ActionRuntime
+    from ifb_plugins.common.chat.tokenizer import TextTokenizer
+
+    if not config.model:
+        raise ValueError("the action plugin has no default model: pass a pi0 checkpoint directory")
+    path = Path(config.model).expanduser()
+    model = load_pi0(path)
+    name = config.options.get("served_model_name") or path.name
+    cfg = model.cfg
+    log.info("loaded %s (pi0: plans %d actions of %d values in %d flow-matching steps)", name, cfg.chunk_size,
+             cfg.max_action_dim, cfg.num_inference_steps)
+    return ActionRuntime(model=model, processing=Pi0Processing.from_dir(path), tokenizer=TextTokenizer.from_hf_dir(path),
+                         caps=declare(config), config=config, model_name=name)
+
+
+VARIANTS = (
+    MatrixVariant("Vision-language-action (pi0 trajectory planning)",
+                  DeployConfig(plugin="action", enable_in_flight_batching=True),
+                  note="Starts under the flag, but every pi0 request carries a trajectory, which is rejected there "
+                       "(the pastTrajectory row): plans are served on the blocking path."),
+)
+
+
+@hookimpl
+def ifb_deployment_kinds():
+    return [DeploymentKind(
+        name="action", plugin="action", title="Vision-language-action (pi0 trajectory planning)", declare=declare,
+        load=load, variants=VARIANTS, settings=frozenset({"allowed_local_media_path", "served_model_name"}),
+        description="pi0 checkpoints as transformers saves them: PaliGemma backbone, action expert, "
+                    "flow-matching sampler; the request's trajectory in, the planned one out")]

@@ -1,0 +1,1 @@
+"""Tokenizers and chat rendering with the checkpoint's template."""

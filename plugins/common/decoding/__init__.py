@@ -1,0 +1,1 @@
+"""Choosing tokens from logits: per-sequence sampling and guided decoding."""

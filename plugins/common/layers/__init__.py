@@ -1,0 +1,1 @@
+"""The decoder's building blocks: paged attention, rotary variants, mixture-of-experts, GPU kernels."""

@@ -1,0 +1,1 @@
+"""Image and audio input: content parts, preprocessing as the models' processors do it, encoders."""

@@ -1,0 +1,229 @@
+"""A quantized ``TextModel``'s whole decoder stack as one native call per step.
+
+Once every projection runs on GGUF blocks (``quant.BlockLinear``), what is left
+of a decode step in Python is dispatch: a few dozen small tensor operations per
+layer, each costing more than its arithmetic. ``NativeDecoder`` hands the layer
+loop to ``csrc/qkernels.c`` (``ifb_decoder_forward``): the same norms, fused Q/K/V
+and gate/up matmuls, RoPE, KV-cache writes, paged attention and residual adds,
+with the same per-row arithmetic as the per-module path, so a row's result
+still does not depend on its batch mates or on how its prompt was chunked.
+
+``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
+fits: every projection on ``BlockLinear`` (Q, K and V fused, or, when their block
+types differ as in llama.cpp's ``Q4_K_M``, three parts written into the columns
+of one row), float32 norms, and (checked per step) contiguous float32 or float16
+KV caches.
+
+The parameter structs are defined once, in ``csrc/decoder_params.h``: the C
+structs are generated from its field lists, the ctypes mirror here is built
+from the same lists (``STRUCTS``), and each ``NativeDecoder`` first checks the
+mirror against the compiled library's own report of every size and offset.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ifb_plugins.common.layers.attention import AttnMetadata
+from ifb_plugins.common.quant.kernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata, sources
+from ifb_plugins.common.quant.linear import BlockLinear
+
+_ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+#: the C header that defines the parameter structs (the one definition of their layout)
+PARAMS_HEADER = "decoder_params.h"
+#: a list macro, ``#define IFB_..._FIELDS(F)`` or ``IFB_DECODER_STRUCTS(S)``, up to the blank line after it
+_LIST_RE = re.compile(r"#define (IFB_\w+)\([FS]\)(.*?)(?:\n\s*\n|\Z)", re.S)
+_ENTRY_RE = re.compile(r"\b[FS]\(([^,()]+),\s*(\w+)\)")
+_SCALARS = {"long": ctypes.c_long, "float": ctypes.c_float, "int": ctypes.c_int}
+
+
+def parse_layout(header: str) -> dict[str, list[tuple[str, str]]]:
+    """The structs of ``decoder_params.h`` in its report order: {struct: [(C type, field), ...]}."""
+    lists = {name: _ENTRY_RE.findall(body) for name, body in _LIST_RE.findall(header)}
+    return {struct.strip(): [(t.strip(), f) for t, f in lists[fields]]
+            for struct, fields in lists["IFB_DECODER_STRUCTS"]}
+
+
+def _ctype(c_type: str, structs: dict[str, type]) -> object:
+    base = c_type.replace("const ", "").strip()
+    if base in structs:
+        return structs[base]
+    if base in _SCALARS:
+        return _SCALARS[base]
+    if base.endswith("*"):
+        inner = base[:-1].strip()
+        if inner in structs:
+            return ctypes.POINTER(structs[inner])
+        return ctypes.POINTER(_ptr) if inner.endswith("*") else _ptr
+    raise ValueError(f"{PARAMS_HEADER}: no ctypes type for {c_type!r}")
+
+
+def build_structs(layout: dict[str, list[tuple[str, str]]]) -> dict[str, type[ctypes.Structure]]:
+    """The ctypes mirror of ``layout`` (``parse_layout``), one ``Structure`` per C struct."""
+    structs: dict[str, type[ctypes.Structure]] = {}
+    for name, fields in layout.items():
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t, structs)) for t, f in fields]})
+    return structs
+
+
+def reported_layout(lib: ctypes.CDLL) -> dict[str, tuple[int, list[tuple[str, int]]]]:
+    """What the compiled library lays out: {struct: (size, [(field, offset), ...])}."""
+    lib.ifb_decoder_layout_names.restype = ctypes.c_char_p
+    lib.ifb_decoder_layout.argtypes = [ctypes.POINTER(_long), _long]
+    lib.ifb_decoder_layout.restype = _long
+    names = [part.split(":") for part in lib.ifb_decoder_layout_names().decode().split(";") if part]
+    count = lib.ifb_decoder_layout(None, 0)
+    numbers = (_long * count)()
+    lib.ifb_decoder_layout(numbers, count)
+    out, at = {}, 0
+    for struct, fields in names:
+        fields = [f for f in fields.split(",") if f]
+        out[struct] = (numbers[at], list(zip(fields, numbers[at + 1:at + 1 + len(fields)])))
+        at += 1 + len(fields)
+    return out
+
+
+def layout_mismatches(structs: dict[str, type[ctypes.Structure]],
+                      reported: dict[str, tuple[int, list[tuple[str, int]]]]) -> list[str]:
+    """Where the ctypes mirror and the compiled library disagree (empty: they agree)."""
+    problems = [f"struct {name} is {'only in the library' if name in reported else 'missing from the library'}"
+                for name in sorted(set(structs) ^ set(reported))]
+    for name in [n for n in structs if n in reported]:
+        mirror = [(f, getattr(structs[name], f).offset) for f, _ in structs[name]._fields_]
+        size, fields = reported[name]
+        for field in sorted({f for f, _ in mirror} ^ {f for f, _ in fields}):
+            side = "the library" if field in dict(fields) else "the ctypes mirror"
+            problems.append(f"{name}.{field} is only in {side}")
+        if mirror != fields:
+            problems.append(f"{name}: fields at {mirror} in the ctypes mirror, {fields} in the library")
+        if ctypes.sizeof(structs[name]) != size:
+            problems.append(f"{name}: {ctypes.sizeof(structs[name])} bytes in the ctypes mirror, {size} in the library")
+    return problems
+
+
+STRUCTS = build_structs(parse_layout(sources()[PARAMS_HEADER].decode()))
+_Weight, _Layer, _Decoder, _Step = (STRUCTS[n] for n in ("weight_t", "layer_t", "decoder_t", "step_t"))
+
+
+def check_layout(kernels: Kernels) -> None:
+    """Raise unless the compiled library lays the parameter structs out as ``STRUCTS`` does."""
+    problems = layout_mismatches(STRUCTS, reported_layout(kernels.lib))
+    if problems:
+        raise RuntimeError(f"the native decoder's parameters disagree with {kernels.path.name}: " + "; ".join(problems))
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _weight(linear: BlockLinear) -> _Weight:
+    return _Weight(linear.kind, ACTIVATIONS[linear.activations], linear.blocks.data_ptr(), _ptr_of(linear.bias),
+                   linear.out_features, linear.in_features)
+
+
+#: an empty part of the q | k | v rows (n = 0: the C code skips it)
+_NO_ROWS = _Weight(0, 0, None, None, 0, 0)
+
+
+def _qkv_parts(attn: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The modules of the q | k | v rows: the fused projection, or (block types differing, as in
+    llama.cpp's Q4_K_M mix with V in Q6_K) q, k and v."""
+    if getattr(attn, "qkv_proj", None) is not None:
+        return (attn.qkv_proj,)
+    return tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
+
+
+def _fits(model: nn.Module) -> bool:
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        # a mixture-of-experts layer (moe.SparseMoE) has neither: it runs layer by layer
+        modules = (*_qkv_parts(attn), attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                   getattr(mlp, "down_proj", None))
+        if not all(isinstance(m, BlockLinear) for m in modules):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if model.config.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+            return False
+    return True
+
+
+class NativeDecoder:
+    """``TextModel.decoder_impl``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack."""
+
+    def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+        check_layout(kernels)
+        c = model.config
+        self._forward = kernels.lib.ifb_decoder_forward
+        self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]
+        self._forward.restype = ctypes.c_int
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                attn.q_norm.weight.data_ptr() if c.qk_norm else None,
+                attn.k_norm.weight.data_ptr() if c.qk_norm else None,
+                *(list(map(_weight, _qkv_parts(attn))) + [_NO_ROWS, _NO_ROWS])[:3],
+                _weight(attn.o_proj), _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                                 c.head_dim, c.rms_norm_eps, self._layers)
+        self._model = model  # keeps the weights the pointers above point into alive
+        self._caches: tuple[tuple[int, ...], object, object, int] | None = None
+
+    def _cache_arrays(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, object, int]:
+        """The caches' pointer arrays and whether they hold float16 (checked once per set of caches)."""
+        ptrs = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._caches is None or self._caches[0] != ptrs:
+            c = self._model.config
+            shape = (c.num_kv_heads, c.head_dim)
+            dtype = kv_caches[0][0].dtype
+            for k, v in kv_caches:
+                for cache in (k, v):
+                    if (cache.dtype != dtype or dtype not in KV_DTYPES or not cache.is_contiguous()
+                            or tuple(cache.shape[2:]) != shape):
+                        raise ValueError("the native decoder needs contiguous float32 or float16 KV caches "
+                                         f"[blocks, slots, {shape[0]}, {shape[1]}], all of one dtype")
+            n = len(kv_caches)
+            self._caches = (ptrs, (_ptr * n)(*ptrs[0::2]), (_ptr * n)(*ptrs[1::2]), KV_DTYPES[dtype])
+        return self._caches[1], self._caches[2], self._caches[3]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
+                 kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        t, d = x.shape[0], self._decoder.d
+        if len(kv_caches) != self._decoder.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self._decoder.num_layers} layers")
+        # TextModel.rotary hands out cos / sin as views of one [T, 2, D] table; rebuild it otherwise.
+        if cos.dtype == torch.float32 and cos.stride(0) == 2 * d and sin.data_ptr() == cos.data_ptr() + 4 * d:
+            rope, keep = cos.data_ptr(), None
+        else:
+            keep = torch.stack((cos.reshape(t, d), sin.reshape(t, d)), dim=1).float().contiguous()
+            rope = keep.data_ptr()
+        k_ptrs, v_ptrs, kv_half = self._cache_arrays(kv_caches)
+        check_attention_metadata(attn, kv_caches[0][0].shape[1])
+        if attn.slot_mapping.dtype != torch.int64:
+            raise ValueError("the native kernels read contiguous int64 attention metadata")
+        tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
+        out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
+        step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
+                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half)
+        if self._forward(ctypes.byref(self._decoder), ctypes.byref(step), out.data_ptr()) != 0:
+            raise MemoryError("the native decoder could not allocate its work buffers")
+        del keep
+        return out
+
+
+def use_native_decoder(model: nn.Module, kernels: Kernels) -> bool:
+    """Install ``NativeDecoder`` as ``model.decoder_impl`` when every layer fits; returns whether it did."""
+    if not _fits(model):
+        return False
+    model.decoder_impl = NativeDecoder(model, kernels)
+    return True

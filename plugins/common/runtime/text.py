@@ -1,0 +1,226 @@
+"""The text runtime: the model driven one scheduled step at a time.
+
+``execute`` packs a step's ragged prefill chunks and decode tokens into one
+forward over the paged KV cache, then samples per sequence. What ``prepare``
+decides for a request (its grammar, LoRA adapter, media, system-prompt capture)
+is a typed ``TextRequestState``; it reaches the runtime once, when the request
+takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. On the
+blocking path, where requests run one at a time, the runtime serves what
+in-flight batching rejects: a request's LoRA adapter is active for its steps,
+and its system prompt is captured by ``blocking_prefix`` (n > 1 the engine fans
+out itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb.kv import BlockManager
+from ifb.params import InvalidRequest, RequestSpec, SamplingParams
+from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, StepOutput
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
+from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
+from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
+from ifb_plugins.common.decoding.sampling import sample_step
+from ifb_plugins.common.runtime.syscache import SystemPromptCache
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
+
+log = logging.getLogger("ifb.text")
+
+KV_BLOCK_SIZE = 16
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+#: share of the memory free at start-up that the default KV cache may take, per device kind
+KV_MEMORY_FRACTION = {"cpu": 0.1, "cuda": 0.5}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now: the CUDA allocator's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token: int | None = None,
+                       device: torch.device | None = None) -> int:
+    """Tokens of KV to allocate: ``--max-kv-cache-capacity``, or a default sized from memory.
+
+    KV blocks are taken as sequences grow, so a bigger pool seats more long
+    answers at once. The default is what a tenth of the host's available memory
+    holds (half the free memory on a CUDA device), at most every seat at the
+    full context, and at least one full context. Without ``bytes_per_token``
+    (a runtime that does not size from memory) it is room for every seat at 2k tokens;
+    with 0 (a model without attention layers) every seat at the full context.
+    """
+    if config.max_kv_cache_capacity:
+        return config.max_kv_cache_capacity
+    if bytes_per_token is None:
+        return max(config.max_batch_size * 2048, min(max_model_len, 8192))
+    if bytes_per_token == 0:  # no attention layer: the blocks are bookkeeping, no memory
+        return config.max_batch_size * max_model_len
+    device = device or torch.device("cpu")
+    fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
+    affordable = int(free_memory_bytes(device) * fraction) // bytes_per_token
+    return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
+
+
+@attrs.frozen
+class MediaState:
+    """A prompt's media as ``media.prompt.expand_media`` placed it: embeddings and, for M-RoPE, positions."""
+
+    #: ``[(prompt rows [N], embeddings [N, H])]`` in prompt order
+    embeds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = attrs.field(eq=False, repr=False)
+    #: the prompt's ``mrope.MropePositions`` (M-RoPE decoders), else None
+    positions: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class TextRequestState:
+    """What ``TextRuntime.prepare`` decided for one request (``Prepared.state``)."""
+
+    grammar: GuidedGrammar | None = None
+    #: the LoRA adapter active for the request's steps (the blocking path)
+    lora: str | None = None
+    #: ``save_system_prompt_kv_cache``: capture the system prompt before the request's first step
+    is_capturing_system_prompt: bool = False
+    media: MediaState | None = None
+
+
+class TextRuntime:
+    def __init__(self, *, model: TextModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
+                 config: DeployConfig, model_name: str, lora: LoraSet | None = None,
+                 kv_dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.caps = caps
+        self.model_name = model_name
+        self.lora = lora or LoraSet(model, {})
+        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = min(model.config.max_position_embeddings, limit)
+        if model.config.sliding_window:
+            # attention here is full-context: within the window it equals sliding-window attention,
+            # beyond it it would not, so the context stops at the window
+            self.max_model_len = min(self.max_model_len, model.config.sliding_window)
+        self.kv_block_size = KV_BLOCK_SIZE
+        self.device = next(model.parameters()).device
+        c = model.config
+        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
+        self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
+        self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
+                                           dtype=kv_dtype, device=self.device)
+        self.vocab_size = model.config.vocab_size
+        self.guided = GuidedDecoder(tokenizer, self.vocab_size)
+        #: each seated request's history, block table and prepared state, kept from the steps' diffs
+        self.seats = SeatTable()
+        #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
+        #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
+        #: to gain from OpenMP, whose workers, woken from a non-main thread, only add latency.
+        self.step_torch_threads: int | None = None
+        #: picks the tokens of an all-greedy batch (``sampling.sample``'s ``argmax``; None: torch's)
+        self.greedy_argmax: Callable[[torch.Tensor], list[int]] | None = None
+
+    # ---- admission ----
+    def prepare(self, spec: RequestSpec) -> Prepared:
+        ids = prompt_token_ids(self.tokenizer, self.vocab_size, spec)
+        lora = spec.extras.get("lora") or None
+        if lora and lora not in self.lora.adapters:
+            known = ", ".join(sorted(self.lora.adapters)) or "none registered"
+            raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"),
+                                                                    after=spec.thinking), lora=lora,
+                                 is_capturing_system_prompt=bool(spec.extras.get("save_system_prompt_kv_cache")))
+        # an adapter changes every layer's KV: the context cache keys its blocks apart
+        return Prepared(tuple(ids), state, kv_salt=f"lora:{lora}" if lora else None)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return render_chat(self.tokenizer, messages)
+
+    # ---- stepped execution ----
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        want = self.step_torch_threads
+        before = torch.get_num_threads() if want else 0
+        if not want or before == want:
+            return self._execute(step)
+        torch.set_num_threads(want)
+        try:
+            return self._execute(step)
+        finally:
+            torch.set_num_threads(before)
+
+    @torch.inference_mode()
+    def _execute(self, step: ScheduledStep) -> StepOutput:
+        seqs = step.seqs
+        seats = self.seats.apply(step)
+        adapters = {seat.state.lora for seat in seats if seat.state is not None}
+        if len(adapters) > 1:  # the gate rejects per-request LoRA under in-flight batching
+            raise RuntimeError(f"one step cannot serve several LoRA adapters: {sorted(map(str, adapters))}")
+        with self.lora.active(next(iter(adapters), None)):
+            hidden = self._hidden(step, seats)  # [T, H]
+            return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
+                               guided=self.guided)
+
+    def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
+        """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""
+        seqs = step.seqs
+        input_ids = [t for s in seqs for t in s.token_ids]
+        attn = build_attn_metadata([(s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
+                                   self.kv_block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = self.step_positions(step, seats)
+        return self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, seats, ids))
+
+    def step_positions(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
+        """Rotary positions of the step's tokens: ``[T]``, each token's index in its context.
+
+        An M-RoPE runtime overrides this to return ``[3, T]`` ids (``ifb_plugins.common.layers.mrope``).
+        """
+        positions = [p for s in step.seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        return torch.tensor(positions, dtype=torch.long, device=self.device)
+
+    def step_embeddings(self, step: ScheduledStep, seats: list[Seat], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Input embeddings ``[T, H]`` for the step, or None to embed ``input_ids`` as usual.
+
+        Multimodal runtimes override this to splice media embeddings over placeholder tokens.
+        """
+        return None
+
+    def release(self, request_id: str, seat: int) -> None:
+        # attention state lives in KV blocks, which the engine frees; a guided matcher and the seat's record here
+        self.guided.release(request_id)
+        self.seats.release(request_id)
+
+    # ---- blocking path ----
+    def blocking_prefix(self, blocks: BlockManager) -> SystemPromptCache:
+        """The legacy system-prompt capture over the blocking engine's ``blocks``: a request with
+        ``save_system_prompt_kv_cache`` has its system prompt prefilled (with the base weights) before its
+        first step, and later requests that start with it lease those blocks."""
+        return SystemPromptCache(blocks, self)
+
+    @torch.inference_mode()
+    def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
+        """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture), with the base weights."""
+        budget = 512
+        seat = Seat("prefix-capture", 0, SamplingParams(), len(token_ids), list(token_ids), list(block_ids),
+                    TextRequestState())
+        for start in range(0, len(token_ids), budget):
+            chunk = tuple(token_ids[start:start + budget])
+            self._hidden(ScheduledStep(step_id=0, seqs=(ScheduledSeq(
+                request_id=seat.request_id, seat=0, token_ids=chunk, start_pos=start, new_block_ids=(),
+                is_sampling=False),)), [seat])

@@ -1,0 +1,1 @@
+"""Tiny reference-built checkpoints and helpers the tests and benchmarks share."""
