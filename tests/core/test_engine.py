@@ -147,7 +147,7 @@ def test_rejected_options_raise_at_submit_naming_the_alternative(extras, params,
 @pytest.mark.parametrize("in_flight", [True, False])
 def test_a_trajectory_to_a_model_that_plans_none_is_refused_on_either_path(in_flight):
     options = default_host().request_options()
-    eng = engine(options=options) if in_flight else BlockingEngine(FakeRuntime(), DeployConfig(), options)
+    eng = engine(options=options) if in_flight else RequestEngine(FakeRuntime(), DeployConfig(), options, in_flight=False)
     try:
         trajectory = Trajectory.of([[0.5, 1.0]], field="messages[0].content[1].trajectory")
         with pytest.raises(RequestRejected, match="no trajectory planner") as refused:
