@@ -14,8 +14,8 @@ from ifb.capabilities import DeployConfig
 from ifb.deploy import load_deployment
 from ifb.server.app import build_app
 from ifb.server.transcriptions import MAX_TRANSCRIPT_TOKENS, instruction
-from ifb_plugins.common.media import decode_wav
-from ifb_plugins.vlm.testing import wav_bytes
+from ifb_plugins.common.media.parts import decode_wav
+from tests.models.media import wav_bytes
 
 from tests.core.server.conftest import running
 from tests.plugins.vlm import tiny
