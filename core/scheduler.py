@@ -465,6 +465,7 @@ class Scheduler:
                 finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
                 num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
                 logprobs=held_logprobs + logprobs, error=error, error_code=error_code, index=r.index,
+                stop_string=r.detok.matched_stop if reason == "stop" else None,
             )
         now = time.monotonic()
         for listener in self.listeners:
