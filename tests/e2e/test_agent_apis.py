@@ -16,7 +16,7 @@ import anthropic
 import pytest
 
 from tests.e2e.test_server import KEY, Server
-from tests.reasoning_model import ANSWER, THOUGHT, save_reasoning_model
+from tests.models.reasoning import ANSWER, THOUGHT, save_reasoning_model
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-TEMPLATE = Path(__file__).parent / "core" / "server" / "templates" / "qwen3.jinja"
+TEMPLATE = Path(__file__).parents[1] / "core" / "server" / "templates" / "qwen3.jinja"
 THOUGHT_WORDS = ("hmm", " maybe", " yes")
 ANSWER_WORDS = ("Hello", " there", " friend")
 THOUGHT = "".join(THOUGHT_WORDS)
