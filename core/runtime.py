@@ -17,6 +17,7 @@ import attrs
 
 from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
+from ifb.transcription import Transcript
 
 if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
     from ifb.kv import BlockManager
@@ -204,6 +205,12 @@ class Runtime(Protocol):
         Called on the actor thread when a request finishes with ``stop`` or
         ``length``; the last output returned must be ``finished``.
         """
+
+    def read_transcript(self, text: str, is_final: bool) -> Transcript:
+        """Optional: a transcription request's output text read as a transcript (without the header
+        the model writes first, e.g. the language it heard); ``is_final`` false while the output
+        grows, when a header that may still be coming reads as no text yet. Without it the output
+        is the transcript."""
 
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
         """Serve one request whole, alone in its seat; yield its outputs, the last ``finished``.

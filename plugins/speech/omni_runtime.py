@@ -43,7 +43,8 @@ from ifb_plugins.common.runtime.text import KV_BLOCK_SIZE, TextRequestState, Tex
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
-from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder
+from ifb_plugins.common.media.qwen3_audio import AudioEncoder
+from ifb_plugins.speech.omni_audio import FeatureConfig, load_audio_encoder
 from ifb_plugins.speech.omni_media import prepare_media
 from ifb_plugins.speech.omni_vision import OmniImageEncoder, load_image_encoder
 from ifb_plugins.speech.omni_talker import OmniTalker, ThinkerStates, load_talker
