@@ -16,7 +16,7 @@ import attrs
 
 @attrs.frozen
 class Transcription:
-    """A request to write down (``translate``: in English) the speech of its one audio clip.
+    """A request to write down (``translate``: in English) what is said in its one audio clip.
 
     ``language``: the language spoken, as the client named it (an ISO-639-1 code or a name), or None
     (the model detects it); ``prompt``: text to condition on (context, spellings, the previous segment).

@@ -34,7 +34,8 @@ kind of thing:
   ``MediaItem``), ``prompt`` (placeholders expanded at admission, embeddings spliced per step),
   ``mel`` (Whisper's log-mel features), ``image_ops`` and ``qwen2_5_vl_image`` (image
   preprocessing as the models' processors compute it), and the vision towers ``vision`` (CLIP /
-  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``.
+  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``, and ``qwen3_audio`` (the Qwen3 audio encoder
+  Qwen3-Omni and Qwen3-ASR share).
 
 Test fixtures (tiny reference-built checkpoints) live in the test tree (``tests/models``), not here.
 
@@ -55,7 +56,7 @@ PUBLIC_MODULES = (
     "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
-    "media.qwen3_vl_vision",
+    "media.qwen3_vl_vision", "media.qwen3_audio",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from
