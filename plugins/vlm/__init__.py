@@ -42,7 +42,7 @@ def pruner_ratio(config: DeployConfig) -> float | None:
 
 
 def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
-    options = text_options()
+    options = text_options(context_reuse=config.enable_context_reuse)
     if pruner_ratio(config) is not None:
         options["media_under_pruner"] = OptionSupport(
             Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
@@ -66,7 +66,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.common.runtime.lora import LoraSet
+    from ifb_plugins.common.runtime.lora import lora_set
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
@@ -76,7 +76,7 @@ def load(config: DeployConfig):
     path = Path(config.model).expanduser()
     loaded = load_vlm(path)
     name = config.options.get("served_model_name") or path.name
-    lora = LoraSet(loaded.text_model, dict(config.options.get("lora_adapters") or {}))
+    lora = lora_set(loaded.text_model, config)
     ratio = pruner_ratio(config)
     log.info("loaded %s (%s; media: %s; visual-token pruner: %s)", name, loaded.family,
              ", ".join(loaded.encoders), f"keeps {ratio:g}" if ratio is not None else "off")
