@@ -182,3 +182,38 @@ def test_bad_adapters_are_refused_naming_the_module(checkpoint, adapters, tmp_pa
         assert config["peft_type"] == "LORA"
     finally:
         model.shutdown()
+
+
+def test_adapters_load_and_unload_at_run_time_through_the_guarded_admin_route(checkpoint, adapters):
+    import httpx
+
+    from ifb.server.app import build_app
+    from tests.core.server.conftest import running
+
+    with LLM(str(checkpoint), enable_in_flight_batching=True, max_batch_size=4, max_loras=2,
+             lora_adapters={"qv": str(adapters["qv"])}) as llm:
+        with running(build_app(llm.deployment)) as url:  # no API key: the admin routes are refused
+            r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+            assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+        with running(build_app(llm.deployment, api_key="k")) as url:
+            auth = {"Authorization": "Bearer k"}
+            body = {"lora_name": "mlp", "lora_path": str(adapters["mlp"])}
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=body).status_code == 401
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=auth).status_code == 200
+            ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
+            assert ids[1:] == ["mlp", "qv"]
+            out = httpx.post(f"{url}/v1/completions", headers=auth, json={
+                "model": "mlp", "prompt": list(PROMPTS["mlp"]), "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}).json()
+            expected = peft_greedy(checkpoint, adapters["mlp"], PROMPTS["mlp"])
+            assert out["choices"][0]["text"] == llm.deployment.runtime.tokenizer.decode(expected)
+            # over --max-loras, then a bad one named by its module
+            third = httpx.post(f"{url}/v1/load_lora_adapter", headers=auth,
+                               json={"lora_name": "all", "lora_path": str(adapters["all"])})
+            assert third.status_code == 400 and "--max-loras (2)" in third.json()["error"]["message"]
+            assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=auth,
+                              json={"lora_name": "mlp"}).status_code == 200
+            gone = httpx.post(f"{url}/v1/completions", headers=auth, json={"model": "mlp", "prompt": "x"})
+            assert gone.status_code == 404
+            assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=auth,
+                              json={"lora_name": "mlp"}).status_code == 404
