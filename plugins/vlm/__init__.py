@@ -17,7 +17,9 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import (
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+)
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 log = logging.getLogger("ifb.vlm")
@@ -43,6 +45,7 @@ def pruner_ratio(config: DeployConfig) -> float | None:
 
 def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
     options = text_options(context_reuse=config.enable_context_reuse)
+    blocking_path_only(options, TEXT_PLUGIN_ONLY, "vlm")
     if pruner_ratio(config) is not None:
         options["media_under_pruner"] = OptionSupport(
             Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
