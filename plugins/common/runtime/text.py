@@ -146,8 +146,8 @@ class TextRuntime:
         except KeyError as exc:
             raise InvalidRequest(exc.args[0], param="model") from None
         is_capturing = bool(spec.extras.get("save_system_prompt_kv_cache"))
-        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format")), lora=lora,
-                                 is_capturing_system_prompt=is_capturing)
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"), after=spec.thinking),
+                                 lora=lora, is_capturing_system_prompt=is_capturing)
         # an adapter changes every layer's KV: the context cache keys its blocks apart
         return Prepared(tuple(ids), state, kv_salt=lora.kv_salt if lora else None,
                         num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0)
