@@ -59,6 +59,9 @@ class ScheduledStep:
     seqs: tuple[ScheduledSeq, ...]
     #: requests seated since the last step: their per-seat state starts clean
     new_seqs: tuple[NewSeq, ...] = ()
+    #: KV blocks to copy, (source, destination), before the step's forward: the last, partial block of a
+    #: prompt that n > 1 sequences share (each writes its own tokens into its copy)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +151,9 @@ class Prepared:
     #: the runtime serves this request whole, itself (``handle_request``), not step by step; only where
     #: requests run one at a time (the blocking path)
     is_served_whole: bool = False
+    #: keep the KV of the prompt's first N tokens in the context cache, never evicted (the legacy system-prompt
+    #: capture under in-flight batching): published when the step that computed them ends, then leased by others
+    num_pinned_tokens: int = 0
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.lora import lora_enabled, lora_set
 from ifb_plugins.common.models.decoder import TextModel
 from ifb_plugins.common.runtime.text import TextRuntime
 
@@ -59,11 +59,10 @@ class PreparedModel:
 def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> PreparedModel:
     """Move ``model``'s quantized GGUF matrices onto block matmuls (in place) when ``mode`` allows.
 
-    LoRA adapters hook the float32 projections by name, so a deployment with
-    adapters keeps the model as loaded.
+    LoRA adapters hook the projections (``runtime.lora``), so a deployment that
+    serves adapters runs its layers from Python (block matmuls and attention on
+    the native kernels, but not the native whole-stack decoder, which no hook sees).
     """
-    if has_lora:
-        return PreparedModel("float32 (LoRA adapters registered)")
     if mode != "none" and loaded.source == "gguf":
         from ifb_plugins.common.quant import kernels as qkernels, linear as quant
         from ifb_plugins.common.loading.gguf import read_gguf_tensors
@@ -74,6 +73,9 @@ def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_
         if kernels is not None:
             kernels.set_num_threads(torch.get_num_threads())
             quant.use_native_attention(model, kernels)
+            if has_lora:
+                return PreparedModel(report.describe() + "; layers driven from Python (LoRA adapters)",
+                                     is_native=True, argmax=kernels.argmax)
             if model.config.has_moe:
                 # the native decoder runs dense layer stacks only: each layer's forward runs from Python,
                 # its matmuls (every routed expert's included) and attention on the native kernels
@@ -106,17 +108,18 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime
     path = Path(config.model)
     mode = quantization_mode(config)
     adapters = dict(config.options.get("lora_adapters") or {})
+    has_lora = lora_enabled(config)
     # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards
     # (a type with no block path, or a float32 deployment after all) is read in float32 then
-    loaded = load_checkpoint(path, defer_quantized=mode != "none" and not adapters)
+    loaded = load_checkpoint(path, defer_quantized=mode != "none")
     model = build_model(loaded, dtype=torch.float32)
     name = config.options.get("served_model_name") or model_name_for(path)
-    prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
+    prepared = prepare_model(model, loaded, mode, has_lora=has_lora)
     if loaded.deferred:
         from ifb_plugins.common.loading.gguf import materialize
 
         materialize(model, loaded.path, loaded.deferred)
-    lora = LoraSet(model, adapters)
+    lora = lora_set(model, config)
     kv_dtype = kv_cache_dtype(config, mode, prepared)
     log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache)", name, loaded.source, loaded.config.num_layers,
              loaded.config.hidden_size, prepared.description, str(kv_dtype).removeprefix("torch."))

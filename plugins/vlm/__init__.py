@@ -18,7 +18,9 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import (
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+)
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 log = logging.getLogger("ifb.vlm")
@@ -43,7 +45,8 @@ def pruner_ratio(config: DeployConfig) -> float | None:
 
 
 def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
-    options = text_options()
+    options = text_options(context_reuse=config.enable_context_reuse)
+    blocking_path_only(options, TEXT_PLUGIN_ONLY, "vlm")
     if pruner_ratio(config) is not None:
         options["media_under_pruner"] = OptionSupport(
             Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
@@ -68,7 +71,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.common.runtime.lora import LoraSet
+    from ifb_plugins.common.runtime.lora import lora_set
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
@@ -78,7 +81,7 @@ def load(config: DeployConfig):
     path = Path(config.model).expanduser()
     loaded = load_vlm(path)
     name = config.options.get("served_model_name") or path.name
-    lora = LoraSet(loaded.text_model, dict(config.options.get("lora_adapters") or {}))
+    lora = lora_set(loaded.text_model, config)
     ratio = pruner_ratio(config)
     log.info("loaded %s (%s; media: %s; visual-token pruner: %s)", name, loaded.family,
              ", ".join(loaded.encoders), f"keeps {ratio:g}" if ratio is not None else "off")

@@ -73,8 +73,11 @@ def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: P
     loaded = load_checkpoint(tiny_gguf)
     model = build_model(loaded)
     assert "float32" in prepare_model(model, loaded, "none", has_lora=False).description
-    assert "LoRA" in prepare_model(model, loaded, "auto", has_lora=True).description
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and model.head is None
+    # with adapters the GGUF's blocks still run (LoRA hooks the block matmuls), the layer loop from Python
+    lora = prepare_model(model, loaded, "auto", has_lora=True)
+    assert "LoRA" in lora.description and model.decoder_impl is None
+    assert type(model.model.layers[0].self_attn.qkv_proj).__name__.endswith("BlockLinear")
     hf_dir = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=2)
     hf = load_checkpoint(hf_dir)
     assert prepare_model(build_model(hf), hf, "auto", has_lora=False).description == "float32"
