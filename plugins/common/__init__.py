@@ -51,8 +51,8 @@ from typing import Any
 PUBLIC_MODULES = (
     "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling",
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
-    "models.deepstack", "models.native_decoder", "layers.moe", "layers.attention", "layers.mrope",
-    "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear",
+    "models.deepstack", "models.native_decoder", "models.parts", "layers.moe", "layers.attention", "layers.mrope",
+    "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear", "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
     "media.qwen3_vl_vision",
