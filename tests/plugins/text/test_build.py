@@ -13,7 +13,7 @@ from ifb import LLM, SamplingParams
 from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
 from ifb_plugins.common.quant import kernels as qkernels, linear as quant
-from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.loading.checkpoint import load_checkpoint
 from ifb_plugins.common.models.native_decoder import NativeDecoder
 from tests.models.text import save_tiny_checkpoint, save_tiny_gguf
 from ifb_plugins.text.build import PreparedModel, build_text_model, kv_cache_dtype, quantization_mode
