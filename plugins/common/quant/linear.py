@@ -2,8 +2,9 @@
 
 A decode step reads every weight once, so on a CPU its speed is set by the
 bytes it streams: the default model's 4-bit blocks are about a sixth of its
-float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
-(and its output head) for modules that multiply the GGUF blocks directly:
+float32 weights. These modules multiply the GGUF blocks directly
+(``quant.parts.BlockParts`` picks them for a ``TextModel``'s projections and
+output head as the model is built):
 
 - ``BlockLinear`` (the default): the native kernels of ``qkernels``. By
   default each input row is quantized per block of 32 to codes of about 15
