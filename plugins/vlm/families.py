@@ -24,8 +24,8 @@ The interface a family implements:
   positions are the prompt positions). A family with multi-axis rotary
   positions (M-RoPE) returns ``[3, len(token_ids)]`` ids, the positions of its
   tokens relative to the span's first one; the runtime keeps them in
-  ``Prepared.extras["media_positions"]`` as ``[(first prompt index, ids)]``
-  (after pruning, which cuts their columns with the tokens) for the decoder.
+  the prepared state's ``MediaState.positions`` (from ``[(first prompt index, ids)]``
+  after pruning, which cuts their columns with the tokens) for the decoder.
 
 Register a family by adding its ``FAMILY`` to ``FAMILIES`` below; the
 runtime (``runtime.VlmRuntime``) needs nothing else from it.
