@@ -22,7 +22,7 @@ _TP_ABSENT = {
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
-    options = text_options()
+    options = text_options(context_reuse=config.enable_context_reuse)
     if config.num_ranks > 1:
         options.update(_TP_ABSENT)
     return DeploymentCaps(

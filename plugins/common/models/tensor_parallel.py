@@ -124,7 +124,7 @@ def shard_text_model(model: TextModel, ctx: ParallelContext) -> TextModel:
     i0 = r * local.intermediate_size
     for layer in model.model.layers:
         attn = layer.self_attn
-        if attn.qkv_proj is not None or attn.attention_impl is not None:
+        if attn.qkv_proj is not None or not all(isinstance(getattr(attn, f"{p}_proj"), nn.Linear) for p in "qkvo"):
             raise ValueError("tensor parallelism shards the float32 model only (its projections as loaded)")
         attn.q_proj = _rows(attn.q_proj, q0, q0 + local.q_size)
         attn.k_proj = _rows(attn.k_proj, kv0, kv0 + local.kv_size)
