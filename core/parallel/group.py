@@ -23,11 +23,11 @@ log = logging.getLogger("ifb.parallel")
 _FINGERPRINT_SPAN = 8 << 20
 
 
-def backend_for(device: str | None = None) -> str:
-    """NCCL where the ranks run on CUDA, gloo on CPU."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() and os.environ.get("IFB_DEVICE", "") != "cpu" else "cpu"
-    return "nccl" if device.startswith("cuda") else "gloo"
+def backend_for(kind: str | None = None) -> str:
+    """NCCL where the ranks run on CUDA (``kind`` "cuda..."), gloo on CPU."""
+    if kind is None:
+        kind = "cuda" if torch.cuda.is_available() and os.environ.get("IFB_DEVICE", "") != "cpu" else "cpu"
+    return "nccl" if kind.startswith("cuda") else "gloo"
 
 
 def init_ranks(rank: int, world_size: int, *, timeout: float, backend: str = "gloo") -> ParallelContext:
