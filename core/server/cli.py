@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.server.reasoning import PARSERS
 from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
 log = logging.getLogger("ifb.server")
@@ -61,6 +62,11 @@ def _setup_logging(level: str) -> None:
               help="Tokens of KV cache to allocate.")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
               help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
+@click.option("--max-loras", type=click.IntRange(min=1), default=None,
+              help="LoRA adapters loaded at once (start-up and the admin route /v1/load_lora_adapter). "
+                   "[default: 4 with --lora, else none]")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="The largest adapter rank accepted.  [default: 64]")
 @click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -77,15 +83,19 @@ def _setup_logging(level: str) -> None:
 @click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
               help="A web origin (https://app.example) whose pages may call the server (CORS). Repeatable; "
                    "other origins are refused.")
+@click.option("--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
+              help="Split a reasoning model's thinking from its answer (reasoning_content, reasoning items, "
+                   "thinking blocks); auto: from the chat template.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
+          max_loras: int | None, max_lora_rank: int | None,
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False, **plugin_flags) -> None:
+          static_batching: bool = False, reasoning_parser: str = "auto", **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
@@ -103,6 +113,10 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     adapters = _parse_lora(loras)
     if adapters:
         options["lora_adapters"] = adapters
+    if max_loras is not None:
+        options["max_loras"] = max_loras
+    if max_lora_rank is not None:
+        options["max_lora_rank"] = max_lora_rank
     if served_model_name:
         options["served_model_name"] = served_model_name
     if warmup_prompt is not None:
@@ -130,7 +144,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     try:
         guard = GuardConfig(check_host=is_loopback(host) or bool(allowed_hosts), allowed_hosts=allowed_hosts,
                             allowed_origins=allowed_origins, max_request_body_bytes=max_request_body_bytes)
-        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard)
+        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard,
+                        reasoning_parser=reasoning_parser)
         if not logging.getLogger("ifb.deploy").isEnabledFor(logging.INFO):  # else load_deployment logged it
             click.echo(f"ifb serve: {deployment.describe()}", err=True)
         click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "
