@@ -96,6 +96,16 @@ def test_bad_lora_values_are_usage_errors(value):
     assert result.exit_code == 2 and "--lora" in result.output
 
 
+def fake_server(monkeypatch, seen: dict) -> None:
+    """``ifb serve``'s uvicorn server records its app and address in ``seen`` instead of serving."""
+
+    def run(server):
+        config = server.config
+        seen["app"], seen["run"] = config.app, {"host": config.host, "port": config.port}
+
+    monkeypatch.setattr("uvicorn.Server.run", run)
+
+
 def test_serve_builds_the_config_and_runs_uvicorn(monkeypatch, tmp_path):
     seen = {}
     deployment = make_deployment()
@@ -104,11 +114,8 @@ def test_serve_builds_the_config_and_runs_uvicorn(monkeypatch, tmp_path):
         seen["config"], seen["load"] = config, kwargs
         return deployment
 
-    def fake_run(app, **kwargs):
-        seen["app"], seen["run"] = app, kwargs
-
     monkeypatch.setattr("ifb.deploy.load_deployment", fake_load)
-    monkeypatch.setattr("uvicorn.run", fake_run)
+    fake_server(monkeypatch, seen)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     result = invoke("my-model", "--plugin", "text", "--max-batch-size", "3", "--enable-in-flight-batching",
@@ -136,7 +143,7 @@ def test_serve_defaults(monkeypatch):
     seen = {}
     monkeypatch.setattr("ifb.deploy.load_deployment", lambda config, **kwargs: seen.setdefault("config", config)
                         and make_deployment())
-    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.setdefault("run", kwargs))
+    fake_server(monkeypatch, seen)
     result = invoke("--log-level", "error")
     assert result.exit_code == 0, result.output
     config = seen["config"]
@@ -157,7 +164,7 @@ def test_serve_defaults(monkeypatch):
 def test_serve_guard_flags(monkeypatch, args, expected):
     seen = {}
     monkeypatch.setattr("ifb.deploy.load_deployment", lambda config, **kwargs: make_deployment())
-    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.setdefault("app", app))
+    fake_server(monkeypatch, seen)
     result = invoke("--log-level", "error", *args)
     assert result.exit_code == 0, result.output
     assert seen["app"].state.guard == expected
