@@ -140,6 +140,8 @@ class RequestSpec:
     request_id: str | None = None
     #: the past trajectory / state to plan from (trajectory-planning deployments), or None
     past_trajectory: Trajectory | None = None
+    #: False: never draft for this request, even where the deployment speculates (``speculative`` in the body)
+    speculative: bool = True
 
     def validate(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

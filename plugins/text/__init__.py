@@ -4,9 +4,10 @@ Mixtral, Qwen2-MoE and Qwen3-MoE under in-flight batching."""
 from __future__ import annotations
 
 from ifb import hookimpl
-from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
+from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant
 from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.text.options import SETTINGS, ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
+from ifb_plugins.text.speculation import speculation_caps
 
 TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 
@@ -15,8 +16,21 @@ def declare(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks, batch_invariant_verified=True, options=text_options(),
-        endpoints=dict(TEXT_ENDPOINTS),
+        endpoints=dict(TEXT_ENDPOINTS), speculation=speculation_caps(config),
     )
+
+
+#: the rows of ``ifb matrix``: the plain deployment, and with speculative decoding
+VARIANTS = (
+    MatrixVariant("Text LLM, single rank", DeployConfig(plugin="text", enable_in_flight_batching=True)),
+    MatrixVariant(
+        "Speculative decoding (draft model, n-gram prompt lookup)",
+        DeployConfig(plugin="text", enable_in_flight_batching=True, options={"speculative_method": "ngram"}),
+        note="Drafts verified in the step's one forward for every seat (K + 1 positions a speculating seat, "
+             "prefill chunks beside them); greedy output bit-identical to plain decoding, sampled output "
+             "by rejection sampling with each request's own parameters; drafting stops per request and step "
+             "where it costs more than it saves. The blocking path serves it too."),
+)
 
 
 def load(config: DeployConfig):
@@ -31,7 +45,7 @@ def ifb_deployment_kinds():
         name="text", plugin="text", title="Text LLM, single rank", declare=declare, load=load,
         description="Llama-family decoder (mixtures of experts included: Mixtral, Qwen2-MoE, Qwen3-MoE) "
                     "from a GGUF file or a Hugging Face safetensors directory",
-        settings=TEXT_SETTINGS, is_default=True)]
+        settings=TEXT_SETTINGS, is_default=True, variants=VARIANTS)]
 
 
 @hookimpl
