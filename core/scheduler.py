@@ -279,8 +279,9 @@ class Scheduler:
                             error_code=QUEUE_TIMEOUT)
 
     def _plan(self) -> list[tuple[Request, int]]:
-        """Each resident's share of the step: decode tokens first, then drafts for the decoders that
-        speculate, then prefill chunks in admission order."""
+        """Each resident's share of the step: decode tokens first, then prefill chunks in admission order,
+        then, from what the budget has left, drafts for the decoders that speculate (a draft only may speed
+        a decoder up; a prefill chunk is owed)."""
         budget = self.token_budget
         plan = []
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
