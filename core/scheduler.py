@@ -107,7 +107,7 @@ class Scheduler:
         #: the runtime's speculative decoding (None: it verifies no drafts)
         self.speculation = speculation
         if speculation is not None:
-            self.counters.speculation = type(self.counters.speculation)(speculation.num_speculative_tokens)
+            self.counters.speculation = type(self.counters.speculation)(speculation.max_num_drafts)
         #: free blocks a joiner must leave beyond its prefill, plus one per resident (room to grow)
         self.watermark = default_watermark(blocks.num_blocks) if watermark is None else watermark
         self.waiting: collections.deque[Request] = collections.deque()
@@ -306,7 +306,7 @@ class Scheduler:
         if stats is None or stats.off_reason is not None:
             return 0
         # past max_tokens or the context no draft could be emitted: the step yields at most k + 1 tokens
-        room = min(self.speculation.num_speculative_tokens, r.max_tokens - len(r.output_token_ids) - 1,
+        room = min(self.speculation.max_num_drafts, r.max_tokens - len(r.output_token_ids) - 1,
                    self.max_model_len - r.num_tokens - 1)
         return self.speculation.policy.num_drafts(stats.acceptance, room, num_decoding)
 

@@ -20,14 +20,14 @@ import threading
 
 import attrs
 
-#: the most drafts a request may carry into one step (``--num-speculative-tokens``)
+#: the most drafts a request may carry into one step (``K``)
 MAX_SPECULATIVE_TOKENS = 16
 
 
-def check_num_speculative_tokens(num: int) -> int:
-    """``num`` if it is within 1..16, else ValueError naming the range."""
+def check_max_num_drafts(num: int, name: str = "K") -> int:
+    """``num`` if it is within 1..16, else ValueError naming ``name`` (the setting) and the range."""
     if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--num-speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, not {num!r}")
+        raise ValueError(f"{name} must be between 1 and {MAX_SPECULATIVE_TOKENS}, not {num!r}")
     return num
 
 
@@ -59,7 +59,7 @@ class SpeculationPolicy:
     #: per step without drafts, a request's acceptance drifts back toward the prior by this share, so a
     #: request that stopped drafting tries again later (its text may start quoting the input)
     recovery: float = 0.02
-    #: draft ``K`` every step, whatever it costs (``--speculative-policy always``)
+    #: draft ``K`` every step, whatever it costs (a plugin setting may ask for it)
     is_always: bool = False
 
     def num_drafts(self, acceptance: float, max_drafts: int, num_decoding: int) -> int:
@@ -86,7 +86,7 @@ class SpeculationCaps:
     #: the draft source: ``ngram`` (prompt lookup) or ``draft-model``
     method: str
     #: ``K``: the most drafts per request and step
-    num_speculative_tokens: int
+    max_num_drafts: int
     policy: SpeculationPolicy = SpeculationPolicy()
     #: what drafts, for logs and /health (``n-gram lookup 2..4``, ``smollm2 (int8 activations)``)
     description: str = ""
@@ -120,7 +120,7 @@ class DraftStats:
 class SpeculationCounters:
     """The speculation counters of ``/health`` and ``/metrics``; changed only by the scheduler."""
 
-    num_speculative_tokens: int = 0
+    max_num_drafts: int = 0
     #: steps in which at least one request's drafts were verified
     steps_drafted: int = 0
     drafted: int = 0
@@ -133,7 +133,7 @@ class SpeculationCounters:
     lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        n = self.num_speculative_tokens
+        n = self.max_num_drafts
         self.drafted_by_position = [0] * n
         self.accepted_by_position = [0] * n
 
@@ -158,7 +158,7 @@ class SpeculationCounters:
     def snapshot(self) -> dict:
         with self.lock:
             return {
-                "num_speculative_tokens": self.num_speculative_tokens,
+                "max_num_drafts": self.max_num_drafts,
                 "steps_drafted": self.steps_drafted, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_by_position": [a / d if d else 0.0 for a, d in

@@ -131,5 +131,5 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime
         runtime.drafter, speculation = build_drafter(config, caps.speculation, runtime)
         runtime.caps = attrs.evolve(caps, speculation=speculation)
         log.info("speculative decoding: %s, up to %d drafts per request and step", speculation.description,
-                 speculation.num_speculative_tokens)
+                 speculation.max_num_drafts)
     return runtime

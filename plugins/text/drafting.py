@@ -27,11 +27,14 @@ class VocabularyMismatch(ValueError):
 def streamed_bytes(model: TextModel) -> int:
     """The weight bytes a decode step reads: every parameter and buffer but the embedding table (a step
     gathers a few of its rows), unless the output head is that table."""
-    embed = model.model.embed_tokens.weight
-    is_head = model.config.tie_word_embeddings and model.head is None
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())
-               if t.device.type != "meta" and (is_head or t is not embed)}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    def tensors(module) -> dict[int, torch.Tensor]:
+        return {id(t): t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"}
+
+    every, embed = tensors(model), tensors(model.model.embed_tokens)
+    head = tensors(model.head) if model.head is not None else {}
+    if not (model.config.tie_word_embeddings and model.head is None):
+        every = {i: t for i, t in every.items() if i not in embed or i in head}
+    return sum(t.numel() * t.element_size() for t in every.values())
 
 
 def build_drafter(config: DeployConfig, caps: SpeculationCaps, runtime: TextRuntime) -> tuple[Drafter, SpeculationCaps]:

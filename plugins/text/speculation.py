@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 
 from ifb.capabilities import DeployConfig
-from ifb.speculative import SpeculationCaps, SpeculationPolicy, check_num_speculative_tokens
+from ifb.speculative import SpeculationCaps, SpeculationPolicy, check_max_num_drafts
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 2, 4
@@ -67,7 +67,7 @@ def speculation_caps(config: DeployConfig) -> SpeculationCaps | None:
         return None
     options = config.options
     k = options.get("num_speculative_tokens")
-    k = check_num_speculative_tokens(DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k)
+    k = check_max_num_drafts(DEFAULT_NUM_SPECULATIVE_TOKENS if k is None else k, "--num-speculative-tokens")
     mode = options.get("quantization") or "auto"
     position_cost = options.get("speculative_position_cost")
     draft_cost = options.get("speculative_draft_cost")
@@ -82,7 +82,7 @@ def speculation_caps(config: DeployConfig) -> SpeculationCaps | None:
         description = f"n-gram prompt lookup ({low}..{high} tokens)"
     else:
         description = f"draft model {options['speculative_model']}"
-    return SpeculationCaps(method=method, num_speculative_tokens=k, policy=policy, description=description)
+    return SpeculationCaps(method=method, max_num_drafts=k, policy=policy, description=description)
 
 
 def with_draft_cost(caps: SpeculationCaps, config: DeployConfig, measured: float, description: str) -> SpeculationCaps:

@@ -13,7 +13,7 @@ from ifb.engine import RequestEngine
 from ifb.params import RequestSpec, SamplingParams
 from ifb.runtime import SampledToken, ScheduledStep, SeqOutput, StepOutput
 from ifb.speculative import (
-    DraftStats, SpeculationCaps, SpeculationCounters, SpeculationPolicy, check_num_speculative_tokens,
+    DraftStats, SpeculationCaps, SpeculationCounters, SpeculationPolicy, check_max_num_drafts,
 )
 from tests.core.fakes import FakeRuntime, next_token, text_caps
 from tests.helpers import submit_staggered
@@ -157,7 +157,7 @@ def test_the_counters_count_by_position_and_show_in_health():
     eng.submit(RequestSpec(prompt="hello", params=GREEDY)).result()
     health = eng.health()["speculative_decoding"]
     eng.shutdown()
-    assert health["method"] == "test" and health["num_speculative_tokens"] == 4
+    assert health["method"] == "test" and health["max_num_drafts"] == 4
     assert health["drafted"] == sum(health["drafted_by_position"]) and health["steps_drafted"] > 0
     assert health["accepted"] == sum(health["accepted_by_position"])
     assert 0 < health["acceptance_rate"] < 1
@@ -203,8 +203,8 @@ def test_the_policy_at_work_in_a_busy_batch():
 
 @pytest.mark.parametrize("k", [0, 17, -1])
 def test_k_outside_1_to_16_is_refused(k):
-    with pytest.raises(ValueError, match="between 1 and 16"):
-        check_num_speculative_tokens(k)
+    with pytest.raises(ValueError, match="K must be between 1 and 16"):
+        check_max_num_drafts(k)
 
 
 def test_counters_by_position():
