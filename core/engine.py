@@ -32,7 +32,7 @@ from ifb.options import media_refusal
 from ifb.outputs import RequestHandle, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.request import Request, RequestGroup
-from ifb.runtime import Runtime, ScheduledStep
+from ifb.runtime import Runtime, RuntimeLost, ScheduledStep
 from ifb.scheduler import PrefixMatcher, Scheduler
 
 log = logging.getLogger("ifb.engine")
@@ -110,15 +110,20 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
     return Request(
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
-        is_served_whole=prepared.is_served_whole, supports_drafts=prepared.supports_drafts,
+        is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
+        supports_drafts=prepared.supports_drafts,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
         eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
     )
 
 
-def fan_out(request: Request, tokenizer) -> list[Request]:
+def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> list[Request]:
     """The n sequences of an n > 1 request, each its own request sharing its handle (sequence i seeded with
-    seed + i); the scheduler counts them as one request, finished with the last of them."""
+    seed + i); the scheduler counts them as one request, finished with the last of them.
+
+    With ``shares_prefill`` (in-flight batching) they take their seats together and the first prefills the
+    prompt for all (``ifb.fork``); otherwise they run one after another.
+    """
     params = request.params
     group = RequestGroup(num_open=params.n)
     sequences = []
@@ -130,8 +135,11 @@ def fan_out(request: Request, tokenizer) -> list[Request]:
             max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
             detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
+            founder_only=request.founder_only, runs_alone=request.runs_alone,
             supports_drafts=request.supports_drafts,
         ))
+    if shares_prefill:
+        group.leader, group.followers = sequences[0], sequences[1:]
     return sequences
 
 
@@ -187,6 +195,10 @@ class RequestEngine:
         self.scheduler.listeners.append(self)
         self._cv = threading.Condition()
         self._stopping = False
+        #: why the runtime cannot go on (``RuntimeLost``), once it happened; the engine has stopped then
+        self.lost: BaseException | None = None
+        #: called once, from the actor thread, when the runtime is lost (after every request failed)
+        self.on_lost: list = []
         self._thread = threading.Thread(target=self._run, name="ifb-engine", daemon=True)
         self._thread.start()
 
@@ -205,8 +217,12 @@ class RequestEngine:
         if request.is_served_whole and self.is_in_flight:
             raise RequestRejected("this request is served whole by its runtime, which only the blocking path does")
         queued: Request | list[Request] = request
-        if spec.params.n > 1 and not self.is_in_flight:
-            queued = fan_out(request, self.runtime.tokenizer)
+        if spec.params.n > 1:
+            if spec.params.n > self.scheduler.num_seats and self.is_in_flight:
+                raise InvalidRequest(
+                    f"n ({spec.params.n}) is more than the batch size ({self.scheduler.num_seats}): the n "
+                    "sequences of a request decode together, one seat each", param="n")
+            queued = fan_out(request, self.runtime.tokenizer, shares_prefill=self.is_in_flight)
         with self._cv:
             if self._stopping:
                 raise EngineFull("the engine is shutting down")
@@ -241,8 +257,8 @@ class RequestEngine:
         scheduler = self.scheduler
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or scheduler.has_work)
-                if self._stopping:
+                self._cv.wait_for(lambda: self._stopping or self.lost is not None or scheduler.has_work)
+                if self._stopping or self.lost is not None:
                     break
             step = scheduler.schedule()
             if step is None:
@@ -253,10 +269,26 @@ class RequestEngine:
                     self._serve_whole(whole)
                 else:
                     scheduler.update(step, self.runtime.execute(step))
+            except RuntimeLost as exc:
+                log.error("the runtime is lost, failing every request: %s", exc)
+                self.lost = exc
+                break
             except Exception as exc:  # noqa: BLE001 - one step's fault fails that step only
                 log.exception("step %d failed", step.step_id)
                 scheduler.fail_step(step, exc)
+        if self.lost is not None:
+            with self._cv:  # no submit slips in between: after this, submit refuses
+                scheduler.fail_all(f"the deployment stopped: {self.lost}")
+            for callback in list(self.on_lost):
+                callback(self.lost)
         scheduler.shutdown()
+
+    def lose(self, error: BaseException) -> None:
+        """The runtime was found lost outside a step (a rank died while idle): fail everything and stop."""
+        with self._cv:
+            if self.lost is None:
+                self.lost = error
+            self._cv.notify_all()
 
     def _served_whole(self, step: ScheduledStep) -> Request | None:
         """The request of a one-seat step that the runtime serves whole (``handle_request``), if it is one."""

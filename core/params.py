@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from ifb.transcription import Transcription
+
 
 class InvalidRequest(ValueError):
     """A request whose parameters are malformed or out of range (HTTP 400).
@@ -68,6 +70,21 @@ class SamplingParams:
             self.temperature, self.top_p, self.top_k, self.min_p, self.max_tokens,
             self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
         )
+
+
+@attrs.frozen
+class ThinkingBlock:
+    """The block a reasoning model writes before its answer (``<think>...</think>``).
+
+    Guided decoding (a ``response_format`` or a forced tool call) applies to the
+    answer after the block, never to the thinking in it. ``is_open``: the prompt
+    already opened the block, so the output starts inside it (DeepSeek-R1-style
+    templates); otherwise the model may open one itself.
+    """
+
+    start: str = "<think>"
+    end: str = "</think>"
+    is_open: bool = False
 
 
 @attrs.frozen
@@ -142,6 +159,13 @@ class RequestSpec:
     past_trajectory: Trajectory | None = None
     #: False: never draft for this request, even where the deployment speculates (``speculative`` in the body)
     speculative: bool = True
+    #: variables the chat template receives besides the messages (``enable_thinking``, ``reasoning_effort``)
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    #: the thinking block the answer may start with; None: the output is all answer
+    thinking: ThinkingBlock | None = None
+    #: set by the transcription routes (their messages ask in words too); a runtime whose model has its
+    #: own transcription prompt builds it from this
+    transcription: Transcription | None = None
 
     def validate(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

@@ -17,12 +17,18 @@ import attrs
 
 from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
+from ifb.transcription import Transcript
 
 if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
     from ifb.kv import BlockManager
     from ifb.outputs import RequestOutput
     from ifb.request import Request
     from ifb.scheduler import PrefixMatcher
+
+
+class RuntimeLost(RuntimeError):
+    """Raised by ``execute`` when the runtime cannot go on at all (a tensor-parallel rank was lost):
+    the engine fails every request it holds and stops, rather than failing one step and going on."""
 
 
 @attrs.frozen
@@ -64,6 +70,9 @@ class ScheduledStep:
     seqs: tuple[ScheduledSeq, ...]
     #: requests seated since the last step: their per-seat state starts clean
     new_seqs: tuple[NewSeq, ...] = ()
+    #: KV blocks to copy, (source, destination), before the step's forward: the last, partial block of a
+    #: prompt that n > 1 sequences share (each writes its own tokens into its copy)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -136,8 +145,17 @@ class SampledToken:
 
 @attrs.frozen
 class SeqOutput:
+    """One sequence's result of a step.
+
+    ``token_id`` is None while a prompt is still being prefilled; on a sampling
+    sequence, None means the runtime finished no token this step (a canvas
+    still being denoised): the request is scheduled again.
+    ``more_token_ids`` follow ``token_id`` when a step finishes several at once
+    (a whole block); they carry no logprobs.
+    """
+
     request_id: str
-    token_id: int | None  # None while a prompt is still being prefilled
+    token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     #: drafted tokens the step verified, in order, before ``token_id`` (the target's own next token)
@@ -146,6 +164,7 @@ class SeqOutput:
     num_drafted: int = 0
     #: why drafting failed for this request (it goes on without drafts); None: it did not
     speculation_error: str | None = None
+    more_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -169,6 +188,9 @@ class Prepared:
     #: drafted tokens may be verified for this request (False: a grammar-constrained one, say, whose
     #: matcher advances one sampled token at a time)
     supports_drafts: bool = True
+    #: keep the KV of the prompt's first N tokens in the context cache, never evicted (the legacy system-prompt
+    #: capture under in-flight batching): published when the step that computed them ends, then leased by others
+    num_pinned_tokens: int = 0
 
 
 @runtime_checkable
@@ -226,6 +248,12 @@ class Runtime(Protocol):
         Called on the actor thread when a request finishes with ``stop`` or
         ``length``; the last output returned must be ``finished``.
         """
+
+    def read_transcript(self, text: str, is_final: bool) -> Transcript:
+        """Optional: a transcription request's output text read as a transcript (without the header
+        the model writes first, e.g. the language it heard); ``is_final`` false while the output
+        grows, when a header that may still be coming reads as no text yet. Without it the output
+        is the transcript."""
 
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
         """Serve one request whole, alone in its seat; yield its outputs, the last ``finished``.

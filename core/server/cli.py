@@ -6,9 +6,11 @@ import logging
 import sys
 from pathlib import Path
 
+import attrs
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.server.reasoning import PARSERS
 from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
 log = logging.getLogger("ifb.server")
@@ -61,6 +63,11 @@ def _setup_logging(level: str) -> None:
               help="Tokens of KV cache to allocate.")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
               help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
+@click.option("--max-loras", type=click.IntRange(min=1), default=None,
+              help="LoRA adapters loaded at once (start-up and the admin route /v1/load_lora_adapter). "
+                   "[default: 4 with --lora, else none]")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="The largest adapter rank accepted.  [default: 64]")
 @click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -77,15 +84,26 @@ def _setup_logging(level: str) -> None:
 @click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
               help="A web origin (https://app.example) whose pages may call the server (CORS). Repeatable; "
                    "other origins are refused.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Ranks to shard the model over (tensor parallelism): spawned on this machine, or the ranks "
+                   "torchrun started (WORLD_SIZE).  [default: 1, or WORLD_SIZE under torchrun]")
+@click.option("--collective-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a collective between ranks may take; past it the silent rank is lost and the "
+                   "server fails its requests and exits.")
+@click.option("--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
+              help="Split a reasoning model's thinking from its answer (reasoning_content, reasoning items, "
+                   "thinking blocks); auto: from the chat template.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
+          max_loras: int | None, max_lora_rank: int | None,
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False, **plugin_flags) -> None:
+          static_batching: bool = False, reasoning_parser: str = "auto", tensor_parallel_size: int | None = None,
+          collective_timeout: float = 60.0, **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
@@ -93,6 +111,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     import uvicorn
 
     from ifb.deploy import load_deployment
+    from ifb.parallel.launch import torchrun_env
     from ifb.server.app import build_app
     from ifb.server.guard import GuardConfig, is_loopback
 
@@ -103,6 +122,10 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     adapters = _parse_lora(loras)
     if adapters:
         options["lora_adapters"] = adapters
+    if max_loras is not None:
+        options["max_loras"] = max_loras
+    if max_lora_rank is not None:
+        options["max_lora_rank"] = max_lora_rank
     if served_model_name:
         options["served_model_name"] = served_model_name
     if warmup_prompt is not None:
@@ -116,10 +139,14 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
         queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
         max_kv_cache_capacity=max_kv_cache_capacity, options=options,
+        num_ranks=_num_ranks(tensor_parallel_size, torchrun_env()), collective_timeout=collective_timeout,
     )
     if max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = max_num_batched_tokens
     config = DeployConfig(**fields)
+    env = torchrun_env()
+    if env is not None and env.rank != 0:  # torchrun's other ranks run shards; rank 0 serves HTTP
+        sys.exit(_serve_shard(env, config))
     log.info("loading %s with plugin %s", model or "the default model", plugin)
     try:
         deployment = load_deployment(config, static_batching=static_batching)
@@ -130,11 +157,44 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     try:
         guard = GuardConfig(check_host=is_loopback(host) or bool(allowed_hosts), allowed_hosts=allowed_hosts,
                             allowed_origins=allowed_origins, max_request_body_bytes=max_request_body_bytes)
-        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard)
+        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard,
+                        reasoning_parser=reasoning_parser)
         if not logging.getLogger("ifb.deploy").isEnabledFor(logging.INFO):  # else load_deployment logged it
             click.echo(f"ifb serve: {deployment.describe()}", err=True)
         click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "
                    f"({'API key required' if api_key else 'no API key'})", err=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5))
+
+        def lost(error: BaseException) -> None:  # the engine failed every request: stop serving, exit non-zero
+            click.echo(f"ifb serve: {error}; stopping", err=True)
+            server.should_exit = True
+
+        deployment.engine.on_lost.append(lost)
+        server.run()
     finally:
         deployment.shutdown()
+    if deployment.engine.lost is not None:
+        sys.exit(3)
+
+
+def _num_ranks(tensor_parallel_size: int | None, env) -> int:
+    if env is None:
+        return tensor_parallel_size or 1
+    if tensor_parallel_size not in (None, env.world_size):
+        raise click.UsageError(f"--tensor-parallel-size {tensor_parallel_size} but torchrun started "
+                               f"{env.world_size} ranks (WORLD_SIZE)")
+    return env.world_size
+
+
+def _serve_shard(env, config: DeployConfig) -> int:
+    """A rank other than 0 under torchrun: load this rank's shard and run the steps rank 0 sends."""
+    from ifb.parallel.launch import run_shard
+    from ifb.plugins import default_host
+
+    host = default_host()
+    kind = host.kind(config.plugin)
+    resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
+    if resolved is not None:
+        config = attrs.evolve(config, model=str(resolved))
+    return run_shard(env, config, kind.load)

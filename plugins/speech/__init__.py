@@ -25,23 +25,27 @@ from ifb.capabilities import (
 )
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
-from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import (
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+)
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
 OMNI_TITLE = "Speech output, Omni bundle"
 TTS_TITLE = "Speech output, standalone TTS model"
 
 #: the Omni bundle's endpoints: speech is served on the blocking path and refused per request under the flag
-OMNI_ENDPOINTS = {**TEXT_ENDPOINTS, "audio.speech": EndpointSupport.REFUSED_UNDER_IFB}
+OMNI_ENDPOINTS = {**TEXT_ENDPOINTS, "audio.speech": EndpointSupport.REFUSED_UNDER_IFB,
+                  "audio.transcriptions": EndpointSupport.SERVED}
 TTS_ENDPOINTS = {"audio.speech": EndpointSupport.SERVED}
 
 TTS_NOTE = ("no request engine exists for a TTS-only runtime: the Talker and code-to-waveform decoder speak "
             "a whole utterance per request")
 
 
-def omni_options() -> dict[str, OptionSupport]:
+def omni_options(config: DeployConfig | None = None) -> dict[str, OptionSupport]:
     """The Thinker's text options, with speech output rejected under in-flight batching."""
-    options = text_options()
+    options = text_options(context_reuse=config is not None and config.enable_context_reuse)
+    blocking_path_only(options, TEXT_PLUGIN_ONLY, "speech")
     options["media_under_pruner"] = OptionSupport(
         Support.SERVED, reason="No visual-token pruner is built for Qwen3-Omni: its audio and vision encoders "
                                "run at admission and media requests join the running batch.")
@@ -71,13 +75,15 @@ def declare_omni(config: DeployConfig) -> DeploymentCaps:
     # The Thinker is the text plugin's runtime: its batch invariance is the text plugin's, proven by its tests
     # (and re-checked on the bundle by tests/plugins/speech).
     return DeploymentCaps(
+        tensor_parallel_note="the Thinker's audio encoder and the Talker pipeline run on one rank; they are not sharded",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=omni_options(),
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=omni_options(config),
         endpoints=dict(OMNI_ENDPOINTS))
 
 
 def declare_tts(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
+        tensor_parallel_note="the TTS pipeline runs on one rank; it is not sharded",
         stepped_execution=False, seated_admission=False, max_batch_size=1, num_ranks=config.num_ranks,
         options=tts_options(), endpoints=dict(TTS_ENDPOINTS), notes=TTS_NOTE,
         supports_prefix_reuse=False, prefix_reuse_note="a TTS model keeps no KV prefix to reuse")

@@ -5,7 +5,7 @@ the checkpoint's template (one ``<|audio_pad|>`` between ``<|audio_start|>``
 and ``<|audio_end|>`` per clip, one ``<|image_pad|>`` between
 ``<|vision_start|>`` and ``<|vision_end|>`` per image), runs the encoders and
 expands each placeholder to the item's token count, as Qwen3-Omni's processor
-does. The embeddings travel in ``Prepared.extras``; ``common.media_prompt.splice_embeddings``
+does. The embeddings travel in the prepared state (``TextRequestState.media``); ``media.prompt.splice_embeddings``
 puts them over their rows in whatever prefill chunk a step carries, so the step
 loop never runs an encoder and a media request joins a running batch.
 
@@ -30,15 +30,15 @@ from ifb_plugins.common.media.parts import MediaItem, parse_messages
 from ifb_plugins.common.media.prompt import MediaSpan, expand_media
 
 
-def render(tokenizer: Any, messages: list[dict]) -> str:
+def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - the template's own error is the message
         raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
 
 def prepare_media(runtime: Any, spec: RequestSpec, prepare_text) -> Prepared:
-    """The request's prompt with each clip's and image's placeholder expanded, their embeddings in the extras.
+    """The request's prompt with each clip's and image's placeholder expanded, their embeddings in its state.
 
     ``runtime`` has ``tokenizer``, ``audio_encoder``, ``audio_features``, ``image_encoder``,
     ``audio_token_id``, ``image_token_id``, ``model``, ``max_model_len`` and ``device``;
@@ -48,7 +48,8 @@ def prepare_media(runtime: Any, spec: RequestSpec, prepare_text) -> Prepared:
         raise InvalidRequest("audio and images are sent as input_audio / image_url content parts of chat messages")
     parsed = parse_messages(spec.messages, modalities={"audio", "image"},
                             sampling_rate=runtime.audio_features.sampling_rate)
-    ids = runtime.tokenizer.encode(render(runtime.tokenizer, list(parsed.messages)), add_special_tokens=False)
+    ids = runtime.tokenizer.encode(render(runtime.tokenizer, list(parsed.messages), spec.chat_template_kwargs),
+                                  add_special_tokens=False)
     prepared = prepare_text(attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids)))
     ids = list(prepared.prompt_token_ids)
     kinds = {runtime.audio_token_id: "audio", runtime.image_token_id: "image"}

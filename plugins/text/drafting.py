@@ -9,7 +9,7 @@ import torch
 
 from ifb.capabilities import DeployConfig
 from ifb.speculative import SpeculationCaps
-from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.loading.checkpoint import load_checkpoint
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.common.speculative.draft_model import DraftModelDrafter
@@ -42,7 +42,7 @@ def build_drafter(config: DeployConfig, caps: SpeculationCaps, runtime: TextRunt
     if caps.method == "ngram":
         low, high = ngram_range(config)
         return NgramDrafter(low, high), caps
-    from ifb_plugins.text.build import kv_cache_dtype, model_name_for, prepare_model
+    from ifb_plugins.text.build import build_text_model, kv_cache_dtype, model_name_for
     from ifb_plugins.text.default_model import resolve_model
 
     name = config.options["speculative_model"]
@@ -53,12 +53,8 @@ def build_drafter(config: DeployConfig, caps: SpeculationCaps, runtime: TextRunt
         raise VocabularyMismatch(
             f"the draft model {name} has a vocabulary of {loaded.config.vocab_size} tokens, the target "
             f"{runtime.model_name} one of {runtime.vocab_size}: a draft model must share the target's vocabulary")
-    model = build_model(loaded, dtype=torch.float32, device=runtime.device)
-    prepared = prepare_model(model, loaded, mode, has_lora=False)
-    if loaded.deferred:
-        from ifb_plugins.common.loading.gguf import materialize
-
-        materialize(model, loaded.path, loaded.deferred)
+    model, prepared = build_text_model(loaded, mode, has_lora=False)
+    model = model.to(runtime.device)
     kv_dtype = kv_cache_dtype(DeployConfig(), mode, prepared)
     # the draft's KV sits in the same block ids as the target's: same count, same size
     caches = allocate_kv_cache(model.config, runtime.num_kv_blocks, runtime.kv_block_size, dtype=kv_dtype,

@@ -42,6 +42,9 @@ def speculation_method(config: DeployConfig) -> str | None:
             raise ValueError(f"{', '.join(stray)} configure speculative decoding: give --speculative-method "
                              "or --speculative-model too")
         return None
+    if config.num_ranks > 1:
+        raise ValueError("speculative decoding runs on one rank: the tensor-parallel shards verify no drafts "
+                         "(drop --tensor-parallel-size, or the speculative settings)")
     if method == "draft-model" and not model:
         raise ValueError("--speculative-method draft-model needs --speculative-model NAME|PATH")
     if method == "ngram" and model:

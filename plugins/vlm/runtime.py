@@ -18,6 +18,7 @@ import torch
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared, ScheduledStep, Seat
+from ifb.transcription import Transcript
 from ifb_plugins.common.runtime.lora import LoraSet
 from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
@@ -51,7 +52,10 @@ class VlmRuntime(TextRuntime):
                                     allowed_dir=self.allowed_media_dir,
                                     allow_hint="start the server with --allowed-local-media-path DIR")
             media = parsed.media
-            ids = self.tokenizer.encode(self._render(list(parsed.messages)), add_special_tokens=False)
+            text = self._render(list(parsed.messages), spec.chat_template_kwargs)
+            if spec.transcription is not None and self.loaded.transcription is not None:
+                text += self.loaded.transcription.prompt_suffix(spec.transcription)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
             spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))
         prepared = super().prepare(spec)
         ids = list(prepared.prompt_token_ids)
@@ -63,13 +67,18 @@ class VlmRuntime(TextRuntime):
         return expand_media(prepared, found, media, self._span, max_model_len=self.max_model_len,
                             device=self.device, dtype=self.model.model.embed_tokens.weight.dtype)
 
+    def read_transcript(self, text: str, is_final: bool) -> Transcript:
+        """A transcription's output as its family reads it (the text itself for most)."""
+        transcription = self.loaded.transcription
+        return transcription.read(text, is_final) if transcription is not None else Transcript(text)
+
     def _span(self, item: MediaItem) -> MediaSpan:
         encoded = self.encode(item)
         rows = [j for j, t in enumerate(encoded.token_ids) if t == encoded.embed_token_id]
         return MediaSpan(encoded.token_ids, torch.tensor(rows, dtype=torch.long), encoded.embeds,
                          encoded.position_ids)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
         template = self.tokenizer.chat_template or ""
         if any(t in template for t in ("'type'", '"type"', ".type")):
             # A template written for content parts renders a string content as nothing at all (llava-1.5's
@@ -77,7 +86,7 @@ class VlmRuntime(TextRuntime):
             messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the template's own error is the message
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 

@@ -4,11 +4,12 @@
 forward over the paged KV cache, then samples per sequence. What ``prepare``
 decides for a request (its grammar, LoRA adapter, media, system-prompt capture)
 is a typed ``TextRequestState``; it reaches the runtime once, when the request
-takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. On the
-blocking path, where requests run one at a time, the runtime serves what
-in-flight batching rejects: a request's LoRA adapter is active for its steps,
-and its system prompt is captured by ``blocking_prefix`` (n > 1 the engine fans
-out itself).
+takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. Within
+one step each row has its own sampling parameters, its own grammar (the masks
+are computed while the forward runs) and its own adapter (rows grouped by
+adapter, ``lora``); the blocks n > 1 sequences fork are copied before the
+forward. On the blocking path the system prompt is captured by
+``blocking_prefix``; under in-flight batching the context cache does it.
 
 With a ``drafter`` (speculative decoding) a step that gives a seat room for
 drafts first asks the drafter for them, then runs one forward over every seat's
@@ -33,11 +34,11 @@ from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, 
 from ifb_plugins.common.decoding.speculative import verify_step
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
-from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.lora import LoraAdapter, LoraSet, step_groups
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
-from ifb_plugins.common.decoding.sampling import sample_step
-from ifb_plugins.common.runtime.syscache import SystemPromptCache
+from ifb_plugins.common.decoding.sampling import sample_step, sampled_rows
+from ifb_plugins.common.runtime.syscache import SystemPromptCache, system_prefix_length
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.common.speculative.drafter import Drafter, DraftRequest
 
@@ -88,6 +89,23 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
+def max_model_len_for(model: TextModel, config: DeployConfig) -> int:
+    """The longest context a runtime over ``model`` serves: the model's, ``max_model_len`` if smaller."""
+    limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+    length = min(model.config.max_position_embeddings, limit)
+    if model.config.sliding_window:
+        # attention here is full-context: within the window it equals sliding-window attention,
+        # beyond it it would not, so the context stops at the window
+        length = min(length, model.config.sliding_window)
+    return length
+
+
+def kv_bytes_per_token(model: TextModel, kv_dtype: torch.dtype) -> int:
+    """KV bytes one context token takes in ``model``'s cache (a sharded model: this rank's KV heads)."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
 @attrs.frozen
 class MediaState:
     """A prompt's media as ``media.prompt.expand_media`` placed it: embeddings and, for M-RoPE, positions."""
@@ -103,8 +121,8 @@ class TextRequestState:
     """What ``TextRuntime.prepare`` decided for one request (``Prepared.state``)."""
 
     grammar: GuidedGrammar | None = None
-    #: the LoRA adapter active for the request's steps (the blocking path)
-    lora: str | None = None
+    #: the LoRA adapter applied to the request's rows (held, so an unloaded adapter serves it to its end)
+    lora: LoraAdapter | None = attrs.field(default=None, eq=False)
     #: ``save_system_prompt_kv_cache``: capture the system prompt before the request's first step
     is_capturing_system_prompt: bool = False
     media: MediaState | None = None
@@ -119,17 +137,10 @@ class TextRuntime:
         self.caps = caps
         self.model_name = model_name
         self.lora = lora or LoraSet(model, {})
-        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
-        self.max_model_len = min(model.config.max_position_embeddings, limit)
-        if model.config.sliding_window:
-            # attention here is full-context: within the window it equals sliding-window attention,
-            # beyond it it would not, so the context stops at the window
-            self.max_model_len = min(self.max_model_len, model.config.sliding_window)
+        self.max_model_len = max_model_len_for(model, config)
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
-        c = model.config
-        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
-        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
+        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model, kv_dtype), self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                            dtype=kv_dtype, device=self.device)
@@ -151,15 +162,18 @@ class TextRuntime:
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
         ids = prompt_token_ids(self.tokenizer, self.vocab_size, spec)
-        lora = spec.extras.get("lora") or None
-        if lora and lora not in self.lora.adapters:
-            known = ", ".join(sorted(self.lora.adapters)) or "none registered"
-            raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format")), lora=lora,
-                                 is_capturing_system_prompt=bool(spec.extras.get("save_system_prompt_kv_cache")))
-        # an adapter changes every layer's KV: the context cache keys its blocks apart; a grammar's matcher
-        # advances one sampled token at a time, so its drafts are never verified
-        return Prepared(tuple(ids), state, kv_salt=f"lora:{lora}" if lora else None,
+        name = spec.extras.get("lora") or None
+        try:
+            lora = self.lora.get(name) if name else None
+        except KeyError as exc:
+            raise InvalidRequest(exc.args[0], param="model") from None
+        is_capturing = bool(spec.extras.get("save_system_prompt_kv_cache"))
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"), after=spec.thinking),
+                                 lora=lora, is_capturing_system_prompt=is_capturing)
+        # an adapter changes every layer's KV: the context cache keys its blocks apart
+        # a grammar's matcher advances one sampled token at a time, so its drafts are never verified
+        return Prepared(tuple(ids), state, kv_salt=lora.kv_salt if lora else None,
+                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0,
                         supports_drafts=state.grammar is None)
 
     def render_chat(self, messages: list[dict]) -> str:
@@ -181,17 +195,43 @@ class TextRuntime:
     def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
         seats = self.seats.apply(step)
-        adapters = {seat.state.lora for seat in seats if seat.state is not None}
-        if len(adapters) > 1:  # the gate rejects per-request LoRA under in-flight batching
-            raise RuntimeError(f"one step cannot serve several LoRA adapters: {sorted(map(str, adapters))}")
-        with self.lora.active(next(iter(adapters), None)):
-            if self.drafter is not None and any(s.num_draft_tokens for s in seqs):
-                return self._speculate(step, seats)
-            hidden = self._hidden(step, seats)  # [T, H]
+        self.copy_blocks(step.block_copies)
+        if self.drafter is not None and any(s.num_draft_tokens for s in seqs):
+            return self._speculate(step, seats)
+        groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in seqs],
+                             self.device)
+        # the grammars' masks for this step's sampling rows are computed while the forward runs
+        self.guided.prefetch([seat for s, seat in zip(seqs, seats) if s.is_sampling])
+        try:
+            with self.lora.step(groups):
+                hidden = self._hidden(step, seats)  # [T, H]
             if self.drafter is not None and self.drafter.needs_hidden_states:
                 self._keep_hidden(seqs, hidden, [0] * len(seqs))
             return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
                                guided=self.guided)
+        finally:
+            self.guided.discard()
+
+    def copy_blocks(self, copies) -> None:
+        """Copy KV blocks (source, destination) in every layer: n > 1 sequences forking their prompt's last block."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute_shard(self, step: ScheduledStep) -> None:
+        """A tensor-parallel rank other than 0: this rank's shard of the step's forward (its KV heads'
+        share written to its cache), and its share of the logits rank 0 samples from (``sample_step``'s rows)."""
+        seats = self.seats.apply(step)
+        self.copy_blocks(step.block_copies)  # each rank forks its own KV share of the blocks
+        hidden = self._hidden(step, seats)
+        rows = [t for _, t in sampled_rows(step.seqs)]
+        if rows:
+            self.model.compute_logits(hidden[rows])
 
     def _speculate(self, step: ScheduledStep, seats: list[Seat]) -> StepOutput:
         """Draft for the seats given room, then run and verify the step with the drafts in it."""
@@ -212,9 +252,16 @@ class TextRuntime:
                 drafts[i] = tuple(result)[:seqs[i].num_draft_tokens]
         verified = ScheduledStep(step_id=step.step_id, new_seqs=step.new_seqs, seqs=tuple(
             attrs.evolve(s, token_ids=s.token_ids + d) if d else s for s, d in zip(seqs, drafts)))
-        hidden = self._hidden(verified, seats)
-        out = verify_step(seqs, seats, drafts, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
-                          guided=self.guided)
+        groups = step_groups([getattr(seat.state, "lora", None) for seat in seats],
+                             [len(s.token_ids) for s in verified.seqs], self.device)
+        self.guided.prefetch([seat for s, seat in zip(seqs, seats) if s.is_sampling])
+        try:
+            with self.lora.step(groups):
+                hidden = self._hidden(verified, seats)
+            out = verify_step(seqs, seats, drafts, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
+                              guided=self.guided)
+        finally:
+            self.guided.discard()
         for i, (seq, result) in enumerate(zip(seqs, out.seqs)):
             if result.accepted:
                 self.seats.accept(seq.request_id, [t.token_id for t in result.accepted])

@@ -22,11 +22,14 @@ import torch
 from ifb_plugins.common.quant import kernels as qkernels, linear as quant, blocks as quant_blocks, int4_torch as quant_torch
 from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_tensors
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
-from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from tests.models.text import (
+    build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf,
+)
 from tests.plugins.common.test_loaders import prefill_logits
+from tests.native import kernels_or_none, needs_kernels
 
 Q = gguf.GGMLQuantizationType
-KERNELS = qkernels.load()
+KERNELS = kernels_or_none()
 NEW_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 #: byte offsets of each block's float16 fields (the rest of a block is codes and packed scales)
 F16_OFFSETS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
@@ -167,7 +170,7 @@ def test_torch_matmul_against_gguf_dequantization_and_alone_like_batched(qtype: 
         linear(x[:, :256])
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("activations", ["int16", "int8"])
 def test_torch_integer_path_gives_the_native_kernels_bits(qtype: Q, activations: str) -> None:
@@ -188,9 +191,8 @@ def test_q5_0_as_q8_0_keeps_every_weight() -> None:
     assert torch.equal(converted.dequantize(), quant.BlockWeight(Q.Q5_0, torch.from_numpy(raw), 256).dequantize())
 
 
+@needs_kernels
 def test_kquant_kinds_refuse_float32_activations() -> None:
-    if KERNELS is None:
-        pytest.skip("the native kernels cannot be built here")
     weight = quant.BlockWeight(Q.Q4_K, torch.from_numpy(random_blocks(Q.Q4_K, 16, 256)), 256)
     with pytest.raises(ValueError, match="int16 or int8"):
         quant.BlockLinear(weight, None, KERNELS, activations="float32")
@@ -218,17 +220,14 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param("native", marks=pytest.mark.skipif(KERNELS is None, reason="no native kernels")),
+    pytest.param("native", marks=needs_kernels),
     pytest.param("torch-int4", marks=pytest.mark.skipif(not quant_torch.supported(), reason="no int4 kernel"))])
 def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gguf: Path,
                                                                        backend: quant.Backend) -> None:
     raw = read_gguf_tensors(mixed_gguf)
     assert {raw[f"model.layers.0.self_attn.{p}.weight"].ggml_type for p in ("q_proj", "v_proj")} == {Q.Q4_K, Q.Q6_K}
     reference = build_model(load_checkpoint(mixed_gguf))
-    model = build_model(load_checkpoint(mixed_gguf))
-    report = quant.quantize_model(model, raw, backend)
-    if backend == "native":
-        quant.use_native_attention(model, KERNELS)
+    model, report = build_on_blocks(load_checkpoint(mixed_gguf), raw, backend)
     first, second = model.model.layers
     # layer 0: Q, K (Q4_K) and V (Q6_K) each on its own type; layer 1: Q/K/V (Q5_0) fused
     assert first.self_attn.q_proj.qtype == first.self_attn.k_proj.qtype == Q.Q4_K
@@ -270,24 +269,24 @@ Q4_K_M = {"token_embd.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q4_K for i
           "blk.1.ffn_down.weight": Q.Q4_K, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q5_0}
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_path: Path) -> None:
-    from ifb_plugins.common.models.native_decoder import use_native_decoder
+    from ifb_plugins.common.models.native_decoder import NativeDecoder
+    from ifb_plugins.common.models.parts import TorchLayerStack
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
                               num_layers=2, num_heads=4, num_kv_heads=2)
     path = save_tiny_gguf(hf, tmp_path / "q4_k_m.gguf", tensor_types=Q4_K_M, quantize=quantize_k)
     raw = read_gguf_tensors(path)
-    modules, native = build_model(load_checkpoint(path)), build_model(load_checkpoint(path))
-    for model in (modules, native):
-        report = quant.quantize_model(model, raw, "native")
-        quant.use_native_attention(model, KERNELS)
+    (modules, report), (native, native_report) = (build_on_blocks(load_checkpoint(path), raw, "native", layer_stack=s)
+                                                  for s in ("torch", "auto"))
+    for model, report in ((modules, report), (native, native_report)):
         assert report.num_quantized == 14 and report.num_torch == 0
         assert not [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
     first, second = native.model.layers
     assert first.self_attn.v_proj.qtype == Q.Q6_K and first.self_attn.qkv_proj is None
     assert second.self_attn.qkv_proj.qtype == Q.Q4_K and first.mlp.gate_up_proj.qtype == Q.Q8_0
-    assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
+    assert isinstance(native.layer_stack, NativeDecoder) and isinstance(modules.layer_stack, TorchLayerStack)
     ids = PROMPTS[1]
     got, ref = prefill_logits(native, ids), prefill_logits(modules, ids)
     # the same matmuls; the norms' last-bit differences can move an activation code by one step
@@ -297,7 +296,7 @@ def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_pat
     assert batched == greedy_generate_batch(modules, PROMPTS, 8, block_size=4)
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 @pytest.mark.parametrize("tied", [True, False])
 def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_path: Path, tied: bool) -> None:
     from ifb_plugins.common.loading.gguf import materialize
@@ -312,10 +311,7 @@ def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_p
     # every quantized projection, the embedding and (untied) the head: 14 + 1 (+ 1)
     assert len(deferred.deferred) == (15 if tied else 16) and "model.embed_tokens.weight" in deferred.deferred
     assert not whole.deferred
-    reference, model = build_model(whole), build_model(deferred)
-    for m in (reference, model):
-        report = quant.quantize_model(m, raw, "native")
-        quant.use_native_attention(m, KERNELS)
+    (reference, _), (model, report) = build_on_blocks(whole, raw, "native"), build_on_blocks(deferred, raw, "native")
     assert report.embedding_blocks == "Q6_K" and report.is_embedding_in_head == tied
     if tied:  # looked up in the head's blocks: no copy of the table
         assert isinstance(model.model.embed_tokens, quant.HeadEmbedding) and model.head.qtype == Q.Q6_K
