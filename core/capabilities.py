@@ -14,6 +14,7 @@ from typing import Any, Callable
 import attrs
 
 from ifb.params import RequestSpec
+from ifb.speculative import SpeculationCaps
 
 
 class Support(enum.Enum):
@@ -79,6 +80,8 @@ class DeploymentCaps:
     #: whether KV blocks can be reused across requests (prefix caching)
     supports_prefix_reuse: bool = True
     prefix_reuse_note: str = ""
+    #: drafted tokens verified in the step's forward (speculative decoding), as configured; None: none
+    speculation: SpeculationCaps | None = None
     #: the runtime shards over ``num_ranks`` > 1 ranks (``ifb.parallel``); else why not
     supports_tensor_parallel: bool = False
     tensor_parallel_note: str = ""

@@ -12,6 +12,8 @@ import threading
 
 import attrs
 
+from ifb.speculative import SpeculationCounters
+
 STALL_COUNTERS = ("stalls_incompatible", "stalls_guided", "stalls_no_capacity")
 #: terminal counter of each finish reason (anything else completed)
 _TERMINAL = {"cancelled": "cancelled", "error": "failed", "refused": "refused"}
@@ -41,6 +43,8 @@ class SchedulingCounters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    #: drafted and accepted tokens where the deployment speculates (its own lock)
+    speculation: SpeculationCounters = attrs.field(factory=SpeculationCounters)
     lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False, eq=False)
 
     # ---- transitions (each takes the lock) ----

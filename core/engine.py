@@ -111,6 +111,7 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
         is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
+        supports_drafts=prepared.supports_drafts,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
         eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
     )
@@ -135,6 +136,7 @@ def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> lis
             detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
             founder_only=request.founder_only, runs_alone=request.runs_alone,
+            supports_drafts=request.supports_drafts,
         ))
     if shares_prefill:
         group.leader, group.followers = sequences[0], sequences[1:]
@@ -188,6 +190,7 @@ class RequestEngine:
             release=lambda r: runtime.release(r.request_id, r.seat),
             queue_timeout=None if in_flight else config.queue_timeout,
             finish_output=getattr(runtime, "finish_output", None),
+            speculation=runtime.caps.speculation if runtime.caps.stepped_execution else None,
         )
         self.scheduler.listeners.append(self)
         self._cv = threading.Condition()
@@ -332,14 +335,24 @@ class RequestEngine:
     # ---- reporting ----
     def health(self) -> dict:
         if not self.is_in_flight:
-            return {"in_flight_batching": False, "max_num_seqs": 1}
+            out = {"in_flight_batching": False, "max_num_seqs": 1}
+            if self.scheduler.speculation is not None:
+                out["speculative_decoding"] = self.speculation_health()
+            return out
         out = {
             "in_flight_batching": True,
             "max_num_seqs": self.config.max_batch_size,
             "scheduling": self.counters.snapshot(),
         }
+        if self.scheduler.speculation is not None:
+            out["speculative_decoding"] = self.speculation_health()
         if self.prefix is not None:
             c = self.counters
             out["prefix_cache"] = {"queries": c.prefix_cache_queries, "hits": c.prefix_cache_hits,
                                    "evictions": c.prefix_cache_evictions}
         return out
+
+    def speculation_health(self) -> dict:
+        """The ``speculative_decoding`` block of ``/health``: the draft source and the counters."""
+        caps = self.scheduler.speculation
+        return {"method": caps.method, "drafter": caps.description, **self.counters.speculation.snapshot()}

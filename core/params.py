@@ -157,6 +157,8 @@ class RequestSpec:
     request_id: str | None = None
     #: the past trajectory / state to plan from (trajectory-planning deployments), or None
     past_trajectory: Trajectory | None = None
+    #: False: never draft for this request, even where the deployment speculates (``speculative`` in the body)
+    speculative: bool = True
     #: variables the chat template receives besides the messages (``enable_thinking``, ``reasoning_effort``)
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
     #: the thinking block the answer may start with; None: the output is all answer

@@ -12,6 +12,7 @@ from ifb.capabilities import OptionSupport
 from ifb.detok import IncrementalDetokenizer
 from ifb.outputs import RequestHandle
 from ifb.params import RequestSpec, SamplingParams
+from ifb.speculative import DraftStats
 
 
 class Status(enum.Enum):
@@ -56,6 +57,12 @@ class Request:
     num_sent_blocks: int = 0
     #: the n > 1 request this is one sequence of (the blocking path fans such a request out)
     group: "RequestGroup | None" = None
+    #: ``Prepared.supports_drafts``: drafted tokens may be verified for it
+    supports_drafts: bool = True
+    #: its drafting record where the deployment speculates (set when it is first seated)
+    drafts: DraftStats | None = None
+    #: blocks freed from the end of its table that the runtime has not been told of yet
+    num_dropped_blocks: int = 0
 
     @property
     def params(self) -> SamplingParams:

@@ -47,15 +47,21 @@ class NewSeq:
 
 @attrs.frozen
 class ScheduledSeq:
-    """One request's share of a step: a prefill chunk or one decode token."""
+    """One request's share of a step: a prefill chunk, one decode token, or a decode token and the
+    positions after it that the runtime's drafter fills and the same forward verifies."""
 
     request_id: str
     seat: int
-    token_ids: tuple[int, ...]  # the tokens computed this step
+    token_ids: tuple[int, ...]  # the known tokens computed this step
     start_pos: int  # == the request's num_computed_tokens before this step
     #: blocks appended to the request's block table since the runtime last heard of it
     new_block_ids: tuple[int, ...]
     is_sampling: bool  # this chunk reaches the last known token: sample the next one
+    #: positions after ``token_ids`` the runtime may draft and verify this step (their blocks are given)
+    num_draft_tokens: int = 0
+    #: blocks to drop from the end of the runtime's table before appending ``new_block_ids`` (the engine
+    #: freed the blocks that only rejected drafts had used)
+    num_dropped_blocks: int = 0
 
 
 @attrs.frozen
@@ -70,7 +76,8 @@ class ScheduledStep:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        """Positions this step may compute: known tokens and the room given for drafts."""
+        return sum(len(s.token_ids) + s.num_draft_tokens for s in self.seqs)
 
     @property
     def reset_seats(self) -> tuple[int, ...]:
@@ -109,6 +116,8 @@ class SeatTable:
         out = []
         for seq in step.seqs:
             seat = self.seats[seq.request_id]
+            if seq.num_dropped_blocks:
+                del seat.block_ids[len(seat.block_ids) - seq.num_dropped_blocks:]
             seat.block_ids.extend(seq.new_block_ids)
             known = len(seat.token_ids) - seq.start_pos
             if known < len(seq.token_ids):  # a decode token the runtime sampled itself: now in the history
@@ -116,8 +125,22 @@ class SeatTable:
             out.append(seat)
         return out
 
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Drafted tokens the step verified: they are in the seat's history now (the engine's next step
+        starts after them)."""
+        self.seats[request_id].token_ids.extend(token_ids)
+
     def release(self, request_id: str) -> None:
         self.seats.pop(request_id, None)
+
+
+@attrs.frozen
+class SampledToken:
+    """A token a step produced, with its logprobs where the request asked for them."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen
@@ -135,6 +158,12 @@ class SeqOutput:
     token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    #: drafted tokens the step verified, in order, before ``token_id`` (the target's own next token)
+    accepted: tuple[SampledToken, ...] = ()
+    #: drafted tokens the step verified, accepted or not
+    num_drafted: int = 0
+    #: why drafting failed for this request (it goes on without drafts); None: it did not
+    speculation_error: str | None = None
     more_token_ids: tuple[int, ...] = ()
 
 
@@ -156,6 +185,9 @@ class Prepared:
     #: the runtime serves this request whole, itself (``handle_request``), not step by step; only where
     #: requests run one at a time (the blocking path)
     is_served_whole: bool = False
+    #: drafted tokens may be verified for this request (False: a grammar-constrained one, say, whose
+    #: matcher advances one sampled token at a time)
+    supports_drafts: bool = True
     #: keep the KV of the prompt's first N tokens in the context cache, never evicted (the legacy system-prompt
     #: capture under in-flight batching): published when the step that computed them ends, then leased by others
     num_pinned_tokens: int = 0

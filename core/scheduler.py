@@ -13,6 +13,14 @@ outputs, and a step carries only what changed (a seated request's tokens and
 state once, then per step its new tokens and blocks). It is also the only code
 that moves its counters.
 
+Where the runtime declares speculative decoding (``ifb.speculative``), a
+decoder may get ``1 + k`` positions: its last token and ``k`` the runtime drafts
+and verifies in the same forward. ``SpeculationPolicy`` picks ``k`` per request
+and per step; ``update`` appends the accepted drafts and the target's own next
+token (stop strings, stop ids, EOS and ``max_tokens`` judged token by token, so
+nothing past a stop is emitted), advances ``num_computed_tokens`` by what was
+accepted and frees the blocks only rejected drafts had used.
+
 The blocking path is this scheduler with one seat: requests run one at a time,
 a request waiting longer than ``queue_timeout`` fails with ``QUEUE_TIMEOUT``, and
 an n > 1 request is fanned out into its sequences, which run one after another
@@ -36,6 +44,7 @@ from ifb.kv import BlockManager
 from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
 from ifb.request import Request, RequestGroup, Status
 from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput, Tokenizer
+from ifb.speculative import DraftStats, SpeculationCaps
 
 log = logging.getLogger("ifb.scheduler")
 
@@ -76,6 +85,7 @@ class Scheduler:
         watermark: int | None = None,
         queue_timeout: float | None = None,
         finish_output: Callable[[Request, RequestOutput], Iterable[RequestOutput]] | None = None,
+        speculation: SpeculationCaps | None = None,
     ):
         if token_budget < num_seats:
             raise ValueError(f"the token budget ({token_budget}) must cover one decode token per seat ({num_seats})")
@@ -96,6 +106,10 @@ class Scheduler:
         self.queue_timeout = queue_timeout
         #: the runtime's replacement of a finishing request's final output (``Runtime.finish_output``)
         self.finish_output = finish_output
+        #: the runtime's speculative decoding (None: it verifies no drafts)
+        self.speculation = speculation
+        if speculation is not None:
+            self.counters.speculation = type(self.counters.speculation)(speculation.max_num_drafts)
         #: free blocks a joiner must leave beyond its prefill, plus one per resident (room to grow)
         self.watermark = default_watermark(blocks.num_blocks) if watermark is None else watermark
         self.waiting: collections.deque[Request] = collections.deque()
@@ -222,6 +236,12 @@ class Scheduler:
             self._batch_length = head.max_tokens
         self.running.append(head)
         head.num_sent_blocks = 0
+        head.num_dropped_blocks = 0
+        if self.speculation is not None and head.drafts is None:
+            off = None if head.spec.speculative else "the request asked for no speculation"
+            if off is None and not head.supports_drafts:
+                off = "its runtime verifies no drafts for it (a grammar-constrained request)"
+            head.drafts = DraftStats(self.speculation.policy.prior_acceptance, off_reason=off)
         self._new[head.request_id] = head
         if head.group is not None and head.group.is_seated:
             head.admitted_time = now  # a later sequence of a request already counted as seated
@@ -272,7 +292,9 @@ class Scheduler:
                             error_code=QUEUE_TIMEOUT)
 
     def _plan(self) -> list[tuple[Request, int]]:
-        """Each resident's share of the step: decode tokens first, then prefill chunks in admission order."""
+        """Each resident's share of the step: decode tokens first, then prefill chunks in admission order,
+        then, from what the budget has left, drafts for the decoders that speculate (a draft only may speed
+        a decoder up; a prefill chunk is owed)."""
         budget = self.token_budget
         plan = []
         self._copies += fork.fork_ready(self.running, self.blocks)
@@ -288,7 +310,22 @@ class Scheduler:
             num_new = min(r.num_tokens - r.num_computed_tokens, budget, fork.leader_cap(r) or budget)
             budget -= num_new
             plan.append((r, num_new))
+        if self.speculation is not None and budget:
+            for i, (r, num_new) in enumerate(plan[:len(decoding)]):
+                k = min(self._num_drafts(r, len(decoding)), budget)
+                budget -= k
+                plan[i] = (r, num_new + k)
         return plan
+
+    def _num_drafts(self, r: Request, num_decoding: int) -> int:
+        """The drafts the policy gives decoder ``r`` this step (0: a plain decode)."""
+        stats = r.drafts
+        if stats is None or stats.off_reason is not None:
+            return 0
+        # past max_tokens or the context no draft could be emitted: the step yields at most k + 1 tokens
+        room = min(self.speculation.max_num_drafts, r.max_tokens - len(r.output_token_ids) - 1,
+                   self.max_model_len - r.num_tokens - 1)
+        return self.speculation.policy.num_drafts(stats.acceptance, room, num_decoding)
 
     def _grow(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Give each planned share its KV blocks, oldest resident first; preempt the youngest when short.
@@ -359,6 +396,8 @@ class Scheduler:
     def _scheduled_seq(self, r: Request, num_new: int) -> ScheduledSeq:
         start = r.num_computed_tokens
         num_prompt = r.num_prompt_tokens
+        num_drafts = max(0, start + num_new - r.num_tokens)  # positions past the last known token
+        num_new -= num_drafts
         # the tokens computed this step, without copying the history: a slice of the prompt, of the
         # output, or (a chunk that crosses from one to the other) of both
         if start + num_new <= num_prompt:
@@ -369,8 +408,10 @@ class Scheduler:
             token_ids = tuple(r.prompt_token_ids[start:]) + tuple(r.output_token_ids[:start + num_new - num_prompt])
         new_block_ids = tuple(r.block_ids[r.num_sent_blocks:])
         r.num_sent_blocks = len(r.block_ids)
+        num_dropped, r.num_dropped_blocks = r.num_dropped_blocks, 0
         return ScheduledSeq(request_id=r.request_id, seat=r.seat, token_ids=token_ids, start_pos=start,
-                            new_block_ids=new_block_ids, is_sampling=start + num_new == r.num_tokens)
+                            new_block_ids=new_block_ids, is_sampling=start + num_new == r.num_tokens,
+                            num_draft_tokens=num_drafts, num_dropped_blocks=num_dropped)
 
     # ---- results ----
     def update(self, step: ScheduledStep, output: StepOutput) -> None:
@@ -379,6 +420,7 @@ class Scheduler:
             self.prefix.commit(step, self.requests)
         now = time.monotonic()
         self._deliveries = Deliveries()
+        verified = []
         try:
             for seq, out in zip(step.seqs, output.seqs, strict=True):
                 r = self.requests.get(seq.request_id)
@@ -386,24 +428,61 @@ class Scheduler:
                     continue
                 self.counters.add_computed_prompt_tokens(
                     max(0, min(seq.start_pos + len(seq.token_ids), r.num_prompt_tokens) - seq.start_pos))
-                r.num_computed_tokens += len(seq.token_ids)
+                # the accepted drafts' positions were computed (their KV is right); the rejected ones' are not
+                r.num_computed_tokens += len(seq.token_ids) + len(out.accepted)
                 if not seq.is_sampling:
                     continue
                 if out.token_id is None:  # no token finished this step: its last token is scheduled again
                     r.num_computed_tokens -= 1
                     continue
-                for token in out.more_token_ids:  # streamed once, with the last of them
-                    if r.status is not Status.RUNNING:
-                        break
-                    self._append_token(r, out, now, stream=False)
-                    out = SeqOutput(out.request_id, token)
-                if r.status is Status.RUNNING:
-                    self._append_token(r, out, now)
+                if r.drafts is not None:
+                    self._observe_drafts(r, out)
+                    verified.append((out.num_drafted, len(out.accepted)))
+                outs = (*out.accepted, out, *(SeqOutput(out.request_id, t) for t in out.more_token_ids))
+                if self._append_tokens(r, outs, now) and seq.num_draft_tokens and not self.batch_wide_length:
+                    self._drop_rejected_blocks(r)
         finally:
             deliveries, self._deliveries = self._deliveries, None
             deliveries.flush()
+            self.counters.speculation.record_step(verified)
 
-    def _append_token(self, r: Request, out, now: float, stream: bool = True) -> None:
+    def _observe_drafts(self, r: Request, out: SeqOutput) -> None:
+        r.drafts.observe(self.speculation.policy, out.num_drafted, len(out.accepted))
+        if out.speculation_error is not None and r.drafts.off_reason is None:
+            r.drafts.off_reason = f"drafting failed: {out.speculation_error}"
+            self.counters.speculation.record_failure()
+            log.warning("%s goes on without drafts: %s", r.request_id, out.speculation_error)
+
+    def _drop_rejected_blocks(self, r: Request) -> None:
+        """Free the blocks past what ``r`` needs now: only rejected drafts had used them."""
+        keep = self.blocks.blocks_for(r.num_tokens)
+        if len(r.block_ids) <= keep:
+            return
+        self.blocks.free(r.block_ids[keep:])
+        del r.block_ids[keep:]
+        if r.num_sent_blocks > keep:
+            r.num_dropped_blocks += r.num_sent_blocks - keep
+            r.num_sent_blocks = keep
+
+    def _append_tokens(self, r: Request, outs, now: float) -> bool:
+        """Append a step's tokens to ``r`` one by one until one finishes it; stream what is released.
+        Returns whether ``r`` is still running."""
+        for out in outs:
+            reason, token_ids, logprobs = self._append_token(r, out, now)
+            if reason is not None:
+                self.finish(r, reason, token_ids=token_ids, logprobs=logprobs)
+                return False
+        text = r.detok.release(final=False)
+        token_ids, logprobs = r.detok.release_tokens(final=False)
+        r.handle.push(RequestOutput(
+            request_id=r.handle.request_id, text=text, token_ids=token_ids,
+            num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
+            logprobs=logprobs, index=r.index,
+        ), self._deliveries)
+        return True
+
+    def _append_token(self, r: Request, out, now: float) -> tuple[str | None, tuple, tuple]:
+        """Append one token; return the finish reason it brings (or None) and what ``finish`` must send."""
         token = out.token_id
         r.output_token_ids.append(token)
         if r.first_token_time is None:
@@ -423,16 +502,7 @@ class Scheduler:
             reason = "length"
         elif r.num_tokens > self.blocks.num_blocks * self.blocks.block_size:
             reason = "length"  # the next token could not be computed: the context fills the whole KV cache
-        if reason is not None:
-            self.finish(r, reason, token_ids=token_ids, logprobs=logprobs)
-        elif stream:
-            text = r.detok.release(final=False)
-            token_ids, logprobs = r.detok.release_tokens(final=False)
-            r.handle.push(RequestOutput(
-                request_id=r.handle.request_id, text=text, token_ids=token_ids,
-                num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
-                logprobs=logprobs, index=r.index,
-            ), self._deliveries)
+        return reason, token_ids, logprobs
 
     def _logprob(self, token: int, out) -> TokenLogprob:
         decode = self.tokenizer.decode

@@ -102,7 +102,7 @@ def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestS
     return RequestSpec(
         prompt=prompt, prompt_token_ids=prompt_ids,
         params=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
-        stream=body.stream, extras=extras,
+        stream=body.stream, extras=extras, speculative=body.speculative,
     )
 
 
@@ -175,7 +175,7 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
         messages=tuple(messages),
         params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
         stream=body.stream, extras=extras, past_trajectory=trajectory, chat_template_kwargs=kwargs,
-        thinking=thinking.thinking_block(reasoning, kwargs),
+        thinking=thinking.thinking_block(reasoning, kwargs), speculative=body.speculative,
     )
     return spec, plan
 

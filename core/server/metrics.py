@@ -53,11 +53,33 @@ class EngineCollector(Collector):
                            snap["queue_latency_avg_us"] / 1e6)
         yield self._family(GaugeMetricFamily, "queue_latency_max_seconds", "Longest time from submit to a seat.",
                            snap["queue_latency_max_us"] / 1e6)
+        if getattr(self._engine, "scheduler", None) is not None and self._engine.scheduler.speculation is not None:
+            yield from self._speculation(counters.speculation.snapshot())
         for name in _PREFIX_CACHE:
             if hasattr(counters, name):
                 with counters.lock:
                     value = getattr(counters, name)
                 yield self._family(CounterMetricFamily, name, f"Prefix cache {name.split('_')[-1]}.", value)
+
+
+    def _speculation(self, snap: dict) -> Iterator[Metric]:
+        yield self._family(CounterMetricFamily, "spec_decode_steps_drafted", "Steps that verified drafted tokens.",
+                           snap["steps_drafted"])
+        yield self._family(CounterMetricFamily, "spec_decode_draft_tokens", "Drafted tokens verified.",
+                           snap["drafted"])
+        yield self._family(CounterMetricFamily, "spec_decode_accepted_tokens", "Drafted tokens accepted.",
+                           snap["accepted"])
+        yield self._family(CounterMetricFamily, "spec_decode_draft_failures",
+                           "Requests whose drafting failed (they went on without drafts).", snap["draft_failures"])
+        labels = [*self._labels, "position"]
+        for name, doc, key in (("spec_decode_draft_tokens_per_pos", "Drafts verified at each draft position.",
+                                "drafted_by_position"),
+                               ("spec_decode_accepted_tokens_per_pos", "Drafts accepted at each draft position.",
+                                "accepted_by_position")):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for i, value in enumerate(snap[key]):
+                family.add_metric([*self._labels.values(), str(i + 1)], value)
+            yield family
 
 
 class ServerMetrics:

@@ -152,6 +152,8 @@ class CompletionRequest:
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # ifb: false keeps this request off speculative decoding where the deployment drafts
+    speculative: bool = True
 
 
 @attrs.frozen
@@ -188,6 +190,8 @@ class ChatCompletionRequest:
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # ifb: false keeps this request off speculative decoding where the deployment drafts
+    speculative: bool = True
     # ifb: the seed of a trajectory plan's initial noise (with a trajectory content part)
     noise_seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -15,8 +15,11 @@ kind of thing:
   ``kv_capacity_tokens``), ``caps`` (what every deployment on it declares: ``text_options``,
   ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``), ``lora`` (adapters) and
   ``syscache`` (the legacy system-prompt capture);
-- ``decoding``: ``sampling`` (``sample_step``, per-sequence sampling of a step's logits) and
-  ``guided`` (grammar-constrained decoding);
+- ``decoding``: ``sampling`` (``sample_step``, per-sequence sampling of a step's logits),
+  ``speculative`` (verifying drafted tokens: greedy agreement, rejection sampling) and ``guided``
+  (grammar-constrained decoding);
+- ``speculative``: draft sources, ``drafter`` (the ``Drafter`` protocol), ``ngram`` (prompt lookup)
+  and ``draft_model`` (a draft model over its own paged cache);
 - ``chat``: ``tokenizer`` (``TextTokenizer``) and ``prompt`` (chat rendering with the checkpoint's
   template, ``prompt_token_ids``);
 - ``models``: ``config`` (``TextModelConfig``), ``decoder`` (the Llama-family ``TextModel`` over a
@@ -59,7 +62,8 @@ PUBLIC_MODULES = (
     "loading.gguf", "quant.linear", "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
-    "media.qwen3_vl_vision", "media.qwen3_audio",
+    "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",
+    "speculative.ngram", "speculative.draft_model",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from

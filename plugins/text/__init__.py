@@ -7,6 +7,7 @@ from ifb import hookimpl
 from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support
 from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.text.options import SETTINGS, ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
+from ifb_plugins.text.speculation import speculation_caps
 
 TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 
@@ -28,16 +29,25 @@ def declare(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks, batch_invariant_verified=True, options=options,
-        endpoints=dict(TEXT_ENDPOINTS), supports_tensor_parallel=True,
+        endpoints=dict(TEXT_ENDPOINTS), supports_tensor_parallel=True, speculation=speculation_caps(config),
     )
 
 
+#: the rows of ``ifb matrix``: the plain deployment, tensor parallelism, speculative decoding
 VARIANTS = (
     MatrixVariant("Text LLM, single rank", DeployConfig(plugin="text", enable_in_flight_batching=True)),
     MatrixVariant("Text LLM, tensor parallelism", DeployConfig(plugin="text", enable_in_flight_batching=True, num_ranks=2),
                   note="--tensor-parallel-size N: ranks spawned on this machine or started by torchrun (gloo on "
                        "CPU, NCCL on CUDA); float32 weights (a GGUF is dequantized); mixture-of-experts layers "
                        "replicated on every rank."),
+    MatrixVariant(
+        "Speculative decoding (draft model, n-gram prompt lookup)",
+        DeployConfig(plugin="text", enable_in_flight_batching=True, options={"speculative_method": "ngram"}),
+        note="Drafts verified in the step's one forward for every seat (K + 1 positions a speculating seat, "
+             "prefill chunks beside them); greedy output bit-identical to plain decoding, sampled output "
+             "by rejection sampling with each request's own parameters; drafting stops per request and step "
+             "where it costs more than it saves. The blocking path serves it too; one rank only (refused "
+             "with --tensor-parallel-size)."),
 )
 
 

@@ -152,6 +152,13 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack
     if prepared.is_native:
         runtime.step_torch_threads = 1
     runtime.greedy_argmax = prepared.argmax
+    if caps.speculation is not None:
+        from ifb_plugins.text.drafting import build_drafter
+
+        runtime.drafter, speculation = build_drafter(config, caps.speculation, runtime)
+        runtime.caps = attrs.evolve(caps, speculation=speculation)
+        log.info("speculative decoding: %s, up to %d drafts per request and step", speculation.description,
+                 speculation.max_num_drafts)
     return runtime
 
 

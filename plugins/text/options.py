@@ -15,6 +15,10 @@ from ifb_plugins.common.runtime.caps import SYSTEM_PROMPT_CAPTURE
 QUANTIZATION_CHOICES = ("auto", "int8", "weights-only", "none")
 #: ``--kv-cache-dtype`` (``build.KV_CACHE_DTYPES``)
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16")
+#: ``--speculative-method``: the draft source
+SPECULATIVE_METHODS = ("ngram", "draft-model")
+#: ``--speculative-policy``: auto drafts only where it pays (``ifb.speculative.SpeculationPolicy``)
+SPECULATIVE_POLICIES = ("auto", "always")
 
 SETTINGS = (
     DeploySetting(
@@ -24,6 +28,33 @@ SETTINGS = (
     DeploySetting(
         name="kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPE_CHOICES), default="auto",
         help="KV cache precision; auto: float16 with integer activations (auto, int8), else float32."),
+    DeploySetting(
+        name="speculative_method", type=click.Choice(SPECULATIVE_METHODS), metavar="METHOD",
+        help="Speculative decoding's draft source: ngram (prompt lookup, no extra model) or draft-model "
+             "(--speculative-model; implied by it)."),
+    DeploySetting(
+        name="speculative_model", type=str, metavar="NAME|PATH",
+        help="The draft model: a checkpoint or GGUF with the target's vocabulary (the target's own GGUF "
+             "included, on --speculative-quantization's kernels)."),
+    DeploySetting(
+        name="speculative_quantization", type=click.Choice(QUANTIZATION_CHOICES), default="int8",
+        help="How a GGUF draft model's matrices run (as --quantization)."),
+    DeploySetting(
+        name="num_speculative_tokens", type=int, metavar="K",
+        help="The most tokens drafted per request and step (1..16; default 4)."),
+    DeploySetting(name="ngram_min", type=int, metavar="N", help="The shortest suffix n-gram looked up (default 2)."),
+    DeploySetting(name="ngram_max", type=int, metavar="N", help="The longest suffix n-gram looked up (default 4)."),
+    DeploySetting(
+        name="speculative_policy", type=click.Choice(SPECULATIVE_POLICIES), default="auto",
+        help="auto: draft per request and step only where the expected accepted tokens pay for the longer "
+             "step (busy batches, low acceptance draft less or not at all); always: draft K every step."),
+    DeploySetting(
+        name="speculative_position_cost", type=float, metavar="X",
+        help="The policy's cost of one more verified position, relative to a one-token step (default: measured)."),
+    DeploySetting(
+        name="speculative_draft_cost", type=float, metavar="X",
+        help="The policy's cost of one drafted token, relative to a one-token target step (default: the draft "
+             "model's weight bytes over the target's; 0 for ngram)."),
 )
 
 

@@ -10,6 +10,12 @@ are computed while the forward runs) and its own adapter (rows grouped by
 adapter, ``lora``); the blocks n > 1 sequences fork are copied before the
 forward. On the blocking path the system prompt is captured by
 ``blocking_prefix``; under in-flight batching the context cache does it.
+
+With a ``drafter`` (speculative decoding) a step that gives a seat room for
+drafts first asks the drafter for them, then runs one forward over every seat's
+tokens and drafts together and verifies each seat's drafts against its own
+rows of logits (``decoding.speculative``). A drafter's failure ends only the
+drafting of the seats it was drafting for; their step goes on without drafts.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.kv import BlockManager
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, StepOutput
+from ifb_plugins.common.decoding.speculative import verify_step
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
 from ifb_plugins.common.runtime.lora import LoraAdapter, LoraSet, step_groups
@@ -33,6 +40,7 @@ from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
 from ifb_plugins.common.decoding.sampling import sample_step, sampled_rows
 from ifb_plugins.common.runtime.syscache import SystemPromptCache, system_prefix_length
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
+from ifb_plugins.common.speculative.drafter import Drafter, DraftRequest
 
 log = logging.getLogger("ifb.text")
 
@@ -146,6 +154,10 @@ class TextRuntime:
         self.step_torch_threads: int | None = None
         #: picks the tokens of an all-greedy batch (``sampling.sample``'s ``argmax``; None: torch's)
         self.greedy_argmax: Callable[[torch.Tensor], list[int]] | None = None
+        #: the draft source where the deployment speculates (``caps.speculation``), else None
+        self.drafter: Drafter | None = None
+        #: per seat, the target's hidden state that predicted its last token (for drafters that read it)
+        self._last_hidden: dict[str, torch.Tensor] = {}
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -159,8 +171,10 @@ class TextRuntime:
         state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"), after=spec.thinking),
                                  lora=lora, is_capturing_system_prompt=is_capturing)
         # an adapter changes every layer's KV: the context cache keys its blocks apart
+        # a grammar's matcher advances one sampled token at a time, so its drafts are never verified
         return Prepared(tuple(ids), state, kv_salt=lora.kv_salt if lora else None,
-                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0)
+                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0,
+                        supports_drafts=state.grammar is None)
 
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, messages)
@@ -182,6 +196,8 @@ class TextRuntime:
         seqs = step.seqs
         seats = self.seats.apply(step)
         self.copy_blocks(step.block_copies)
+        if self.drafter is not None and any(s.num_draft_tokens for s in seqs):
+            return self._speculate(step, seats)
         groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in seqs],
                              self.device)
         # the grammars' masks for this step's sampling rows are computed while the forward runs
@@ -189,6 +205,8 @@ class TextRuntime:
         try:
             with self.lora.step(groups):
                 hidden = self._hidden(step, seats)  # [T, H]
+            if self.drafter is not None and self.drafter.needs_hidden_states:
+                self._keep_hidden(seqs, hidden, [0] * len(seqs))
             return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
                                guided=self.guided)
         finally:
@@ -214,6 +232,56 @@ class TextRuntime:
         rows = [t for _, t in sampled_rows(step.seqs)]
         if rows:
             self.model.compute_logits(hidden[rows])
+
+    def _speculate(self, step: ScheduledStep, seats: list[Seat]) -> StepOutput:
+        """Draft for the seats given room, then run and verify the step with the drafts in it."""
+        seqs = step.seqs
+        asked = [i for i, s in enumerate(seqs) if s.num_draft_tokens and s.is_sampling
+                 and (seats[i].state is None or seats[i].state.grammar is None)]
+        wants_hidden = self.drafter.needs_hidden_states
+        results = self.drafter.propose([DraftRequest(
+            seqs[i].request_id, seats[i].token_ids, seqs[i].num_draft_tokens, seats[i].block_ids,
+            self._last_hidden.get(seqs[i].request_id) if wants_hidden else None) for i in asked])
+        drafts: list[tuple[int, ...]] = [()] * len(seqs)
+        errors: dict[int, str] = {}
+        for i, result in zip(asked, results):
+            if isinstance(result, Exception):
+                log.warning("drafting for %s failed: %s: %s", seqs[i].request_id, type(result).__name__, result)
+                errors[i] = f"{type(result).__name__}: {result}"
+            else:
+                drafts[i] = tuple(result)[:seqs[i].num_draft_tokens]
+        verified = ScheduledStep(step_id=step.step_id, new_seqs=step.new_seqs, seqs=tuple(
+            attrs.evolve(s, token_ids=s.token_ids + d) if d else s for s, d in zip(seqs, drafts)))
+        groups = step_groups([getattr(seat.state, "lora", None) for seat in seats],
+                             [len(s.token_ids) for s in verified.seqs], self.device)
+        self.guided.prefetch([seat for s, seat in zip(seqs, seats) if s.is_sampling])
+        try:
+            with self.lora.step(groups):
+                hidden = self._hidden(verified, seats)
+            out = verify_step(seqs, seats, drafts, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
+                              guided=self.guided)
+        finally:
+            self.guided.discard()
+        for i, (seq, result) in enumerate(zip(seqs, out.seqs)):
+            if result.accepted:
+                self.seats.accept(seq.request_id, [t.token_id for t in result.accepted])
+            if i in asked:
+                self.drafter.accepted(seq.request_id, len(seats[i].token_ids))
+            if i in errors:
+                out_seqs = list(out.seqs)
+                out_seqs[i] = attrs.evolve(result, speculation_error=errors[i])
+                out = StepOutput(tuple(out_seqs))
+        if wants_hidden:
+            self._keep_hidden(verified.seqs, hidden, [len(d) - len(r.accepted) for d, r in zip(drafts, out.seqs)])
+        return out
+
+    def _keep_hidden(self, seqs, hidden: torch.Tensor, num_rejected: list[int]) -> None:
+        """Keep, per sampling seat, the hidden state that predicted its newest token."""
+        last = -1
+        for seq, rejected in zip(seqs, num_rejected):
+            last += len(seq.token_ids)
+            if seq.is_sampling:
+                self._last_hidden[seq.request_id] = hidden[last - rejected].clone()
 
     def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""
@@ -244,6 +312,9 @@ class TextRuntime:
         # attention state lives in KV blocks, which the engine frees; a guided matcher and the seat's record here
         self.guided.release(request_id)
         self.seats.release(request_id)
+        self._last_hidden.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
 
     # ---- blocking path ----
     def blocking_prefix(self, blocks: BlockManager) -> SystemPromptCache:

@@ -1,0 +1,1 @@
+"""Draft sources for speculative decoding: n-gram prompt lookup and a draft model."""
