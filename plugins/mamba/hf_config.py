@@ -177,8 +177,9 @@ def read_nemotron_h(f: Fields) -> HybridConfig:
     _check_act(f, "mlp_hidden_act", "relu2")
     _check_act(f, "mamba_hidden_act", "silu")
     hidden = f.int("hidden_size")
+    pattern = _nemotron_pattern(f)
     return HybridConfig(
-        family="nemotron_h", pattern=_nemotron_pattern(f), **_common(f, hidden, kv_heads=8, head_dim=128),
+        family="nemotron_h", pattern=pattern, **(_nemotron_moe(f) if MOE in pattern else {}), **_common(f, hidden, kv_heads=8, head_dim=128),
         intermediate_size=f.int("intermediate_size", default=21504),
         mamba_num_heads=f.int("mamba_num_heads", default=128), mamba_head_dim=f.int("mamba_head_dim", default=64),
         ssm_state_size=f.int("ssm_state_size", default=128),
@@ -189,6 +190,26 @@ def read_nemotron_h(f: Fields) -> HybridConfig:
         use_conv_bias=f.bool("use_conv_bias", "mamba_conv_bias", default=True),
         mamba_proj_bias=f.bool("use_bias", default=False),  # transformers' NemotronH reads use_bias for these
         max_position_embeddings=f.int("max_position_embeddings", default=4096),
+    )
+
+
+def _nemotron_moe(f: Fields) -> dict[str, Any]:
+    """The fields of Nemotron-H's ``E`` layers (Nemotron 3), with transformers' defaults."""
+    shared = f.int("n_shared_experts", default=1)
+    if shared != 1:  # transformers builds exactly one shared expert of moe_shared_expert_intermediate_size
+        raise ConfigError(f"config.json: n_shared_experts {shared} is not supported (transformers builds 1)")
+    if f.int("num_nextn_predict_layers", default=0):
+        raise ConfigError("config.json: num_nextn_predict_layers > 0 (multi-token prediction layers) is not "
+                          "supported")
+    return dict(
+        num_experts=f.int("n_routed_experts", "num_local_experts", default=8),
+        num_experts_per_tok=f.int("num_experts_per_tok", default=2),
+        moe_intermediate_size=f.int("moe_intermediate_size", default=7688),
+        shared_intermediate_size=f.int("moe_shared_expert_intermediate_size", default=7688),
+        moe_latent_size=f.int("moe_latent_size", default=0),
+        num_expert_groups=f.int("n_group", default=1), topk_groups=f.int("topk_group", default=1),
+        norm_topk_prob=f.bool("norm_topk_prob", default=True),
+        routed_scaling_factor=f.float("routed_scaling_factor", default=1.0),
     )
 
 

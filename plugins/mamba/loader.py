@@ -86,8 +86,31 @@ _RENAMES = {
 }
 
 
+#: Nemotron-H MoE experts as transformers saves them (one tensor per expert and projection)
+_PER_EXPERT = re.compile(r"(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mixer.experts.N.{up,down}_proj.weight`` stacked into ``mixer.experts.{up,down}_proj [E, ...]``
+    (the layout transformers 5 holds in memory, which passes through)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if m := _PER_EXPERT.fullmatch(name):
+            parts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = tensor
+        else:
+            out[name] = tensor
+    for (prefix, part), experts in parts.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{prefix}: expert {part} tensors are numbered {sorted(experts)}, not 0..N-1")
+        out[f"{prefix}.{part}"] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
 def our_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under ``HybridModel``'s parameter names (``A_log`` as ``A``)."""
+    if family == "nemotron_h":
+        state = stack_experts(state)
     rules = [(re.compile(pattern), repl) for pattern, repl in _RENAMES[family]]
     out = {}
     for name, tensor in state.items():

@@ -45,6 +45,9 @@ def _redraw(model: torch.nn.Module, seed: int, mamba_heads: int) -> None:
             p.copy_(randn(p.shape, 1.0 / math.sqrt(p.shape[-1])))
             if name.endswith("in_proj.weight"):
                 p[-mamba_heads:] *= 0.5  # keep softplus(dt + dt_bias) well inside (1e-3, 1): a live, stable state
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # Nemotron-H's MoE router: biased choice, unbiased weights
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
 
 
 def _save(model, directory: str | Path, seed: int, mamba_heads: int) -> Path:
@@ -79,6 +82,17 @@ def save_tiny_nemotron_h(directory: str | Path, seed: int = 0, *, pattern: str =
     config = NemotronHConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     return _save(NemotronHForCausalLM(config).float().eval(), directory, seed, config.mamba_num_heads)
+
+
+def save_tiny_nemotron_3(directory: str | Path, seed: int = 0, *, pattern: str = "ME*EM-E",
+                         moe_latent_size: int | None = None) -> Path:
+    """A tiny Nemotron 3 (``NemotronHForCausalLM`` with ``E`` mixture-of-experts layers): 8 routed experts in
+    4 groups, 2 groups and 2 experts per token, scaled weights, a shared expert; optionally a latent."""
+    path = save_tiny_nemotron_h(
+        directory, seed, pattern=pattern, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, moe_latent_size=moe_latent_size)
+    return path
 
 
 def save_tiny_bamba(directory: str | Path, seed: int = 0, *, num_layers: int = 3,
@@ -253,3 +267,21 @@ def save_hybrid_gguf(hf_dir: str | Path, path: str | Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' own ``generate``, greedy, for exactly ``num_tokens`` tokens: no end-of-sequence token
+    stops it or is masked (the engine's ``ignore_eos``)."""
+    import copy
+
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None  # a None passed to generate falls back to the model's
+    try:
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=num_tokens, min_new_tokens=0,
+                             pad_token_id=0)
+    finally:
+        model.generation_config = saved
+    assert out.shape[1] == len(ids) + num_tokens
+    return out[0, len(ids):].tolist()
