@@ -35,6 +35,11 @@ def _redraw(model: torch.nn.Module, seed: int, mamba_heads: int) -> None:
         elif leaf == "dt_bias":
             dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.5) - math.log(0.05)) + math.log(0.05))
             p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        elif p.dim() == 1 and "layernorm" in name or name.endswith(("q_norm.weight", "k_norm.weight",
+                                                                    "model.norm.weight")):
+            # Qwen3.5's zero-centered norms scale by 1 + weight; elsewhere these are plain norms near one
+            zero_centered = "linear_attn" not in name and "qwen3_5" in type(model).__name__.lower()
+            p.copy_((0.0 if zero_centered else 1.0) + randn(p.shape, 0.1))
         elif leaf == "D" or p.dim() == 1 and "norm" in name:
             p.copy_(1.0 + randn(p.shape, 0.1))
         elif p.dim() == 1:  # biases
@@ -43,7 +48,7 @@ def _redraw(model: torch.nn.Module, seed: int, mamba_heads: int) -> None:
             p.copy_(randn(p.shape, 1.0))
         else:
             p.copy_(randn(p.shape, 1.0 / math.sqrt(p.shape[-1])))
-            if name.endswith("in_proj.weight"):
+            if name.endswith("in_proj.weight") and mamba_heads:
                 p[-mamba_heads:] *= 0.5  # keep softplus(dt + dt_bias) well inside (1e-3, 1): a live, stable state
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # Nemotron-H's MoE router: biased choice, unbiased weights
@@ -126,6 +131,28 @@ def save_tiny_granite_hybrid(directory: str | Path, seed: int = 0, *,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=0, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     return _save(GraniteMoeHybridForCausalLM(config).float().eval(), directory, seed, config.mamba_n_heads)
+
+
+def save_tiny_qwen3_5(directory: str | Path, seed: int = 0, *, moe: bool = False,
+                      layer_types: tuple[str, ...] = ("linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention")) -> Path:
+    """A tiny ``Qwen3_5ForCausalLM`` (or ``Qwen3_5MoeForCausalLM``): Gated DeltaNet layers with 2 key and 4
+    value heads beside gated attention with partial RoPE."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    fields = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, max_position_embeddings=2048, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if moe:
+        config = Qwen3_5MoeTextConfig(**fields, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=40)
+        model = Qwen3_5MoeForCausalLM(config)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields, intermediate_size=96))
+    torch.manual_seed(seed)
+    return _save(model.float().eval(), directory, seed, mamba_heads=0)
 
 
 #: family name -> the saver of its tiny reference model

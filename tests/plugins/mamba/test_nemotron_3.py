@@ -30,6 +30,7 @@ PROMPTS = [
     [200, 3, 150, 75, 12, 8, 290, 31, 44],
 ]
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
