@@ -113,18 +113,25 @@ class TextRuntime:
         self.lora = lora or LoraSet(model, {})
         limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = min(model.config.max_position_embeddings, limit)
-        if model.config.sliding_window:
+        if model.config.sliding_window and not getattr(model, "applies_sliding_window", False):
             # attention here is full-context: within the window it equals sliding-window attention,
             # beyond it it would not, so the context stops at the window
             self.max_model_len = min(self.max_model_len, model.config.sliding_window)
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
         c = model.config
-        bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+        element_size = torch.empty((), dtype=kv_dtype).element_size()
+        # a family whose layers differ in KV shape (Gemma 4) lays out its own caches
+        own_layout = getattr(model, "allocate_kv_caches", None)
+        bytes_per_token = (c.kv_bytes_per_token(element_size) if own_layout else
+                           2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size)
         capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
-        self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
-                                           dtype=kv_dtype, device=self.device)
+        if own_layout:
+            self.kv_caches = own_layout(self.num_kv_blocks, KV_BLOCK_SIZE, kv_dtype, self.device)
+        else:
+            self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
+                                               dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
         #: each seated request's history, block table and prepared state, kept from the steps' diffs
