@@ -104,10 +104,10 @@ def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> 
 
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
-    from ifb_plugins.text.gemma4 import is_gemma4_dir, load_gemma4_runtime
+    from ifb_plugins.text.families import family_of_dir, load_family_runtime
 
-    if path.is_dir() and is_gemma4_dir(path):  # a family module of its own (its KV layout differs per layer)
-        return load_gemma4_runtime(config, caps)
+    if path.is_dir() and family_of_dir(path):  # Gemma 4 text, gpt-oss: model modules of their own
+        return load_family_runtime(config, caps)
     mode = quantization_mode(config)
     adapters = dict(config.options.get("lora_adapters") or {})
     # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards

@@ -17,7 +17,7 @@ from ifb import LLM
 from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.gemma4 import Gemma4ConfigError
-from ifb_plugins.text.gemma4 import build_gemma4
+from ifb_plugins.text.families import build_family_model as build_gemma4
 from tests.helpers import submit_staggered
 from tests.models.gemma4 import SLIDING_WINDOW, save_tiny_gemma4
 from tests.models.hybrid import hf_greedy, hf_reference
