@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (truncated at a stop string)
         self._released = 0
         self.stopped = False
+        #: the stop string that ended the text (None: none did)
+        self.matched_stop: str | None = None
         #: per token fed: where its text starts in ``text``, and what travels with it
         self._starts: list[int] = []
         self._items: list[tuple[int, object]] = []
@@ -58,6 +60,7 @@ class IncrementalDetokenizer:
         hits = [at for at in (self.text.find(s, start) for s in self._stop) if at != -1]
         if hits:
             cut = min(hits)
+            self.matched_stop = next(s for s in self._stop if self.text.find(s, start) == cut)
             self.text = self.text[:cut]
             self.stopped = True
             kept = sum(1 for start in self._starts if start < cut)

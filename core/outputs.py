@@ -62,6 +62,8 @@ class RequestOutput:
     audio: AudioOutput | None = attrs.field(default=None, repr=False)
     #: the planned trajectory (trajectory-planning deployments): one step's vector per row
     output_trajectory: tuple[tuple[float, ...], ...] | None = None
+    #: on the last output: the stop string that ended the text (None: EOS, a stop token or no stop)
+    stop_string: str | None = None
 
 
 @attrs.frozen

@@ -71,6 +71,21 @@ class SamplingParams:
 
 
 @attrs.frozen
+class ThinkingBlock:
+    """The block a reasoning model writes before its answer (``<think>...</think>``).
+
+    Guided decoding (a ``response_format`` or a forced tool call) applies to the
+    answer after the block, never to the thinking in it. ``is_open``: the prompt
+    already opened the block, so the output starts inside it (DeepSeek-R1-style
+    templates); otherwise the model may open one itself.
+    """
+
+    start: str = "<think>"
+    end: str = "</think>"
+    is_open: bool = False
+
+
+@attrs.frozen
 class Trajectory:
     """The past trajectory (or robot state) a trajectory-planning request carries, and how to plan from it.
 
@@ -140,6 +155,10 @@ class RequestSpec:
     request_id: str | None = None
     #: the past trajectory / state to plan from (trajectory-planning deployments), or None
     past_trajectory: Trajectory | None = None
+    #: variables the chat template receives besides the messages (``enable_thinking``, ``reasoning_effort``)
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    #: the thinking block the answer may start with; None: the output is all answer
+    thinking: ThinkingBlock | None = None
 
     def validate(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

@@ -113,10 +113,20 @@ class SeatTable:
 
 @attrs.frozen
 class SeqOutput:
+    """One sequence's result of a step.
+
+    ``token_id`` is None while a prompt is still being prefilled; on a sampling
+    sequence, None means the runtime finished no token this step (a canvas
+    still being denoised): the request is scheduled again.
+    ``more_token_ids`` follow ``token_id`` when a step finishes several at once
+    (a whole block); they carry no logprobs.
+    """
+
     request_id: str
-    token_id: int | None  # None while a prompt is still being prefilled
+    token_id: int | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    more_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen

@@ -33,7 +33,7 @@ from ifb.counters import SchedulingCounters
 from ifb.kv import BlockManager
 from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
 from ifb.request import Request, RequestGroup, Status
-from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, StepOutput, Tokenizer
+from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput, Tokenizer
 
 log = logging.getLogger("ifb.scheduler")
 
@@ -370,12 +370,21 @@ class Scheduler:
                 r.num_computed_tokens += len(seq.token_ids)
                 if not seq.is_sampling:
                     continue
-                self._append_token(r, out, now)
+                if out.token_id is None:  # no token finished this step: its last token is scheduled again
+                    r.num_computed_tokens -= 1
+                    continue
+                for token in out.more_token_ids:  # streamed once, with the last of them
+                    if r.status is not Status.RUNNING:
+                        break
+                    self._append_token(r, out, now, stream=False)
+                    out = SeqOutput(out.request_id, token)
+                if r.status is Status.RUNNING:
+                    self._append_token(r, out, now)
         finally:
             deliveries, self._deliveries = self._deliveries, None
             deliveries.flush()
 
-    def _append_token(self, r: Request, out, now: float) -> None:
+    def _append_token(self, r: Request, out, now: float, stream: bool = True) -> None:
         token = out.token_id
         r.output_token_ids.append(token)
         if r.first_token_time is None:
@@ -397,7 +406,7 @@ class Scheduler:
             reason = "length"  # the next token could not be computed: the context fills the whole KV cache
         if reason is not None:
             self.finish(r, reason, token_ids=token_ids, logprobs=logprobs)
-        else:
+        elif stream:
             text = r.detok.release(final=False)
             token_ids, logprobs = r.detok.release_tokens(final=False)
             r.handle.push(RequestOutput(
@@ -456,6 +465,7 @@ class Scheduler:
                 finished=True, finish_reason=reason, num_prompt_tokens=r.num_prompt_tokens,
                 num_output_tokens=len(r.output_token_ids) - r.detok.num_dropped,
                 logprobs=held_logprobs + logprobs, error=error, error_code=error_code, index=r.index,
+                stop_string=r.detok.matched_stop if reason == "stop" else None,
             )
         now = time.monotonic()
         for listener in self.listeners:

@@ -18,6 +18,7 @@ from ifb.server.errors import ApiError, api_error_response, handle_api_error, ha
 from ifb.server.guard import Guard, GuardConfig
 from ifb.server.metrics import ServerMetrics
 from ifb.server.openai_routes import app_state, openai_routes
+from ifb.server.reasoning import Reasoning, detect
 from ifb.server.state import AppState
 
 log = logging.getLogger("ifb.server")
@@ -38,7 +39,7 @@ class BearerAuth:
             try:
                 self.state.check_auth(Request(scope))
             except ApiError as exc:
-                await api_error_response(exc)(scope, receive, send)
+                await api_error_response(exc, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -63,12 +64,29 @@ def _plugin_routes(host: PluginHost, state: AppState) -> list[BaseRoute]:
     return routes
 
 
+#: POST routes whose bodies are multipart uploads, not JSON
+MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
 def _json_paths(routes: list[BaseRoute]) -> frozenset[str]:
-    return frozenset(r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ()))
+    return frozenset(r.path for r in routes if isinstance(r, Route) and "POST" in (r.methods or ())
+                     and r.path not in MULTIPART_PATHS)
+
+
+def _reasoning(deployment, choice: str) -> Reasoning:
+    tokenizer = deployment.runtime.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+
+    def render(kwargs: dict) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             **kwargs)
+
+    return detect(choice, template if isinstance(template, str) else None, render)
 
 
 def build_app(deployment, *, api_key: str | None = None, model_name: str | None = None,
-              host: PluginHost | None = None, guard: GuardConfig | None = None) -> Starlette:
+              host: PluginHost | None = None, guard: GuardConfig | None = None,
+              reasoning_parser: str = "auto") -> Starlette:
     """The server for one loaded ``Deployment``.
 
     ``model_name`` is the name ``/v1/models`` lists and requests may use
@@ -77,11 +95,12 @@ def build_app(deployment, *, api_key: str | None = None, model_name: str | None 
     the ``ifb_http_routes`` hook, which receives the ``AppState``. ``guard``
     bounds bodies and keeps other sites out (default: loopback ``Host`` names
     only, no foreign ``Origin``, 16 MiB bodies); POST routes take JSON only.
+    ``reasoning_parser`` splits thinking from answers (``ifb.server.reasoning``).
     """
     guard = guard or GuardConfig()
     name = model_name or deployment.runtime.model_name
     state = AppState(deployment=deployment, model_name=name, metrics=ServerMetrics(deployment.engine, name),
-                     api_key=api_key)
+                     api_key=api_key, reasoning=_reasoning(deployment, reasoning_parser))
     routes: list[BaseRoute] = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.server.reasoning import PARSERS
 from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
 log = logging.getLogger("ifb.server")
@@ -77,6 +78,9 @@ def _setup_logging(level: str) -> None:
 @click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
               help="A web origin (https://app.example) whose pages may call the server (CORS). Repeatable; "
                    "other origins are refused.")
+@click.option("--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
+              help="Split a reasoning model's thinking from its answer (reasoning_content, reasoning items, "
+                   "thinking blocks); auto: from the chat template.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
@@ -85,7 +89,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False, **plugin_flags) -> None:
+          static_batching: bool = False, reasoning_parser: str = "auto", **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
@@ -130,7 +134,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     try:
         guard = GuardConfig(check_host=is_loopback(host) or bool(allowed_hosts), allowed_hosts=allowed_hosts,
                             allowed_origins=allowed_origins, max_request_body_bytes=max_request_body_bytes)
-        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard)
+        app = build_app(deployment, api_key=api_key, model_name=served_model_name, guard=guard,
+                        reasoning_parser=reasoning_parser)
         if not logging.getLogger("ifb.deploy").isEnabledFor(logging.INFO):  # else load_deployment logged it
             click.echo(f"ifb serve: {deployment.describe()}", err=True)
         click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "

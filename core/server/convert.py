@@ -11,6 +11,7 @@ from typing import Any
 
 from ifb.options import text_only_message
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
+from ifb.server import reasoning as thinking
 from ifb.server import tools
 from ifb.server.errors import ApiError
 from ifb.server.schemas import (
@@ -124,11 +125,15 @@ def chat_spec(body: ChatCompletionRequest, extras: dict[str, Any], *, template: 
 
 
 def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, template: str | None = None,
-                 takes_media: bool = True) -> tuple[RequestSpec, tools.ToolPlan | None]:
+                 takes_media: bool = True, reasoning: thinking.Reasoning | None = None,
+                 choice: thinking.ThinkingChoice | None = None) -> tuple[RequestSpec, tools.ToolPlan | None]:
     """The engine request for a ``/v1/chat/completions`` body, and its tool plan (None: no tools).
 
     ``template`` is the loaded chat template (it decides how tools are rendered
-    and parsed); ``takes_media`` whether the deployment reads image or audio parts.
+    and parsed); ``takes_media`` whether the deployment reads image or audio parts;
+    ``reasoning`` the deployment's reasoning set-up and ``choice`` what the
+    request asks of thinking (default: its ``reasoning_effort``). The spec's
+    ``thinking`` is the block its answer may start with.
     """
     _common_checks(body)
     plan = _tool_plan(body, template)
@@ -163,10 +168,14 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
             extras["tools"] = [converter.unstructure(t) for t in plan.tools]
     if plan is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
         messages = tools.render_messages(messages, plan)
+    reasoning = reasoning or thinking.Reasoning(parser="none")
+    choice = choice or thinking.effort_choice(body.reasoning_effort, "reasoning_effort")
+    kwargs = thinking.template_kwargs(reasoning, choice, body.chat_template_kwargs)
     spec = RequestSpec(
         messages=tuple(messages),
         params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
-        stream=body.stream, extras=extras, past_trajectory=trajectory,
+        stream=body.stream, extras=extras, past_trajectory=trajectory, chat_template_kwargs=kwargs,
+        thinking=thinking.thinking_block(reasoning, kwargs),
     )
     return spec, plan
 

@@ -21,6 +21,27 @@ _TYPES = {
 }
 
 
+#: Anthropic's error ``type`` for each status (its Messages API's error shape)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+#: routes that answer errors in Anthropic's shape
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class ApiError(Exception):
     """An error a route answers with; the app turns it into an OpenAI-shaped JSON response."""
 
@@ -36,6 +57,11 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
                    type: str | None = None) -> JSONResponse:  # noqa: A002
@@ -43,18 +69,20 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     return api_error_response(ApiError(status, message, param=param, code=code, type=type))
 
 
-def api_error_response(error: ApiError) -> JSONResponse:
+def api_error_response(error: ApiError, path: str | None = None) -> JSONResponse:
+    """The error as a response, in Anthropic's shape on its routes (``path``), else OpenAI's."""
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
     if error.status == 413 or error.status >= 500:
         # the rest of the body is unread (413) or the connection's state is unknown (5xx): the
         # client must open a new connection rather than find this one reset
         headers["Connection"] = "close"
-    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
+    body = error.anthropic_body() if path is not None and is_anthropic_path(path) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=headers or None)
 
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return api_error_response(exc)
+    return api_error_response(exc, request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -65,9 +93,9 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
         detail = f"no route for {request.method} {request.url.path}"
     elif status == 405:
         detail = f"{request.method} is not allowed on {request.url.path}"
-    return api_error_response(ApiError(status, str(detail)))
+    return api_error_response(ApiError(status, str(detail)), request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     """The last resort: an unexpected fault is a 500 with its message, never a stack trace."""
-    return api_error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    return api_error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)

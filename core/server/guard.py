@@ -127,7 +127,7 @@ class Guard:
         headers = Headers(scope=scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            await close_after(api_error_response(refusal))(scope, receive, send)
+            await close_after(api_error_response(refusal, scope["path"]))(scope, receive, send)
             return
         limit = self.config.max_request_body_bytes
         received = 0

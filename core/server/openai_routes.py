@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ifb.outputs import QUEUE_TIMEOUT, RequestHandle, RequestOutput
+from ifb.params import RequestSpec
 from ifb.server.convert import chat_request, completion_spec
 from ifb.server.errors import ApiError
 from ifb.server.metrics import RequestTimer
@@ -76,9 +77,13 @@ def engine_error(out: RequestOutput, default: str = "the request failed") -> Api
     return ApiError(500, out.error or default)
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+def _sse(data: dict[str, Any] | str | tuple[str, dict[str, Any]]) -> bytes:
+    """One server-sent event: ``data:`` only, or with an ``event:`` line for a (name, data) pair."""
+    head = ""
+    if isinstance(data, tuple):
+        head, data = f"event: {data[0]}\n", data[1]
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
+    return f"{head}data: {text}\n\n".encode()
 
 
 class EventStream(StreamingResponse):
@@ -126,13 +131,14 @@ COMPLETIONS = _Kind("completions", "/v1/completions", CompletionRequest, "cmpl")
 CHAT = _Kind("chat.completions", "/v1/chat/completions", ChatCompletionRequest, "chatcmpl")
 
 
-def _renderer(kind: _Kind, body: Any, state: AppState, n: int, tools: ToolPlan | None,
+def _renderer(kind: _Kind, body: Any, state: AppState, spec: RequestSpec, tools: ToolPlan | None,
               echo: str | None) -> Renderer:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     args = (f"{kind.id_prefix}-{uuid.uuid4().hex}", body.model or state.model_name, int(time.time()))
-    common = dict(num_choices=n, include_usage=include_usage, system_fingerprint=state.system_fingerprint)
+    common = dict(num_choices=spec.params.n, include_usage=include_usage,
+                  system_fingerprint=state.system_fingerprint)
     if kind is CHAT:
-        return ChatRenderer(*args, wants_logprobs=body.logprobs, tools=tools, **common)
+        return ChatRenderer(*args, wants_logprobs=body.logprobs, tools=tools, thinking=spec.thinking, **common)
     return CompletionRenderer(*args, echo=echo, **common)
 
 
@@ -156,15 +162,23 @@ async def _generate(request: Request, kind: _Kind) -> Response:
     extras = state.model_extras(body.model)
     tools = None
     if kind is CHAT:
-        spec, tools = chat_request(body, extras, template=state.chat_template, takes_media=state.takes_media)
+        spec, tools = chat_request(body, extras, template=state.chat_template, takes_media=state.takes_media,
+                                   reasoning=state.reasoning)
     else:
         spec = completion_spec(body, extras)
     echo = _echo_text(state, body, spec)
+    return await generate(request, state, spec, _renderer(kind, body, state, spec, tools, echo))
+
+
+async def generate(request: Request, state: AppState, spec: RequestSpec, renderer: Renderer) -> Response:
+    """Submit ``spec`` and answer with what ``renderer`` makes of its outputs (streamed when ``spec.stream``).
+
+    The Responses and Messages routes answer through this too, with their own renderers.
+    """
     timer = state.metrics.timer()
     handle = await state.submit(spec)
     try:
-        renderer = _renderer(kind, body, state, spec.params.n, tools, echo)
-        return await _answer(request, body, renderer, handle, timer)
+        return await _answer(request, spec.stream, renderer, handle, timer)
     except BaseException:
         # an error answer, or the server stopping: nobody will read this request any more
         if not handle.done.is_set():
@@ -173,7 +187,7 @@ async def _generate(request: Request, kind: _Kind) -> Response:
         raise
 
 
-async def _answer(request: Request, body: Any, renderer: Renderer, handle: RequestHandle,
+async def _answer(request: Request, stream: bool, renderer: Renderer, handle: RequestHandle,
                   timer: RequestTimer) -> Response:
     outputs = handle.__aiter__()
     try:
@@ -186,7 +200,7 @@ async def _answer(request: Request, body: Any, renderer: Renderer, handle: Reque
     timer.observe(first)
     if first.finish_reason == "error":
         raise engine_error(first)
-    if body.stream:
+    if stream:
         return EventStream(_stream(renderer, first, outputs, handle, timer), handle)
     return await _complete(request, renderer, first, outputs, handle, timer)
 
@@ -211,7 +225,8 @@ async def _complete(request: Request, renderer: Renderer, first: RequestOutput,
                 return Response(status_code=499)
     finally:
         timer.finish()
-    return JSONResponse(renderer.full(collected))
+    body = renderer.full(collected)
+    return body if isinstance(body, Response) else JSONResponse(body)
 
 
 async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
@@ -223,19 +238,20 @@ async def _stream(renderer: Renderer, first: RequestOutput, outputs: AsyncIterat
         out: RequestOutput | None = first
         while out is not None:
             if out.finish_reason == "error":
-                yield _sse(engine_error(out).body())
+                yield _sse(renderer.error_event(engine_error(out)))
                 handle.cancel()
                 break
             for chunk in renderer.delta(out, collected.add(out)):
                 yield _sse(chunk)
             if out.finished:
-                if renderer.include_usage:
-                    yield _sse(renderer.usage_chunk(collected))
+                for chunk in renderer.closing(collected):
+                    yield _sse(chunk)
                 break
             out = await anext(outputs, None)
             if out is not None:
                 timer.observe(out)
-        yield _sse("[DONE]")
+        if renderer.done_marker is not None:
+            yield _sse(renderer.done_marker)
     finally:
         timer.finish()
 
@@ -283,12 +299,18 @@ async def retrieve_model(request: Request) -> Response:
 
 
 def openai_routes() -> list[Route]:
+    from ifb.server.anthropic import anthropic_routes
+    from ifb.server.responses import responses_routes
     from ifb.server.tokenize_routes import tokenize_routes
+    from ifb.server.transcriptions import transcription_routes
 
     return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *responses_routes(),
+        *anthropic_routes(),
+        *transcription_routes(),
         *tokenize_routes(),
     ]

@@ -11,7 +11,9 @@ from typing import Any
 import attrs
 
 from ifb.outputs import AudioOutput, RequestOutput, TokenLogprob
-from ifb.server.tools import ToolPlan, ToolStream, parse
+from ifb.params import ThinkingBlock
+from ifb.server.answer import AnswerStream, whole
+from ifb.server.tools import ToolPlan
 
 
 @attrs.define
@@ -26,6 +28,7 @@ class Sequence:
     #: OpenAI's ``message.audio`` when the answer was spoken
     audio: dict | None = None
     output_trajectory: tuple[tuple[float, ...], ...] | None = None
+    stop_string: str | None = None  # the stop string that ended it
 
 
 @attrs.define
@@ -44,6 +47,7 @@ class Collected:
                                                                                out.num_output_tokens)
         if out.finish_reason is not None:
             seq.finish_reason = out.finish_reason
+            seq.stop_string = out.stop_string
         if out.audio is not None:
             seq.audio = chat_audio(out.audio)
         if out.output_trajectory is not None:
@@ -81,10 +85,15 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 class Renderer:
-    """Shared envelope: id, object, created, model."""
+    """Shared envelope: id, object, created, model.
+
+    A streamed event is a dict (sent as ``data:``) or an ``(event name, dict)`` pair.
+    """
 
     object_full = ""
     object_chunk = ""
+    #: the stream's last ``data:`` line (None: the stream ends with its last event)
+    done_marker: str | None = "[DONE]"
 
     def __init__(self, response_id: str, model: str, created: int, *, num_choices: int, include_usage: bool,
                  system_fingerprint: str | None = None):
@@ -113,6 +122,14 @@ class Renderer:
     def opening(self) -> list[dict[str, Any]]:
         """Chunks sent before the first token."""
         return []
+
+    def closing(self, collected: Collected) -> list[dict[str, Any]]:
+        """Chunks sent after the last output."""
+        return [self.usage_chunk(collected)] if self.include_usage else []
+
+    def error_event(self, error: Any) -> dict[str, Any]:
+        """The event a request that failed mid-stream ends with."""
+        return error.body()
 
     def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         """The chunks one output streams (none while text is held back)."""
@@ -190,11 +207,13 @@ class ChatRenderer(Renderer):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args, wants_logprobs: bool = False, tools: ToolPlan | None = None, **kwargs):
+    def __init__(self, *args, wants_logprobs: bool = False, tools: ToolPlan | None = None,
+                 thinking: ThinkingBlock | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.wants_logprobs = wants_logprobs
         self.tools = tools
-        self._tool_streams: dict[int, ToolStream] = {}
+        self.thinking = thinking  # the block thinking is split out of (``reasoning_content``)
+        self._streams: dict[int, AnswerStream] = {}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -203,47 +222,47 @@ class ChatRenderer(Renderer):
     def delta(self, out: RequestOutput, seq: Sequence) -> list[dict[str, Any]]:
         if not out.text and not out.finish_reason and not out.logprobs:
             return []
-        text, chunks, reason = out.text, [], _finish_reason(out.finish_reason)
-        if self.tools is not None:
-            stream = self._tool_streams.setdefault(out.index, ToolStream(self.tools.fmt))
-            text = stream.feed(text)
-            if out.finished:
-                rest, calls = stream.finish()
-                text += rest
-                # each call in one chunk (id, name and all arguments): the client accumulates them
-                chunks = [self.chunk([{"index": out.index, "delta": {"tool_calls": [call.to_openai(i)]},
-                                       "logprobs": None, "finish_reason": None}]) for i, call in enumerate(calls)]
-                if calls and reason == "stop":
-                    reason = "tool_calls"
+        reason = _finish_reason(out.finish_reason)
+        stream = self._streams.setdefault(out.index, AnswerStream(self.tools, self.thinking))
+        piece = stream.feed(out.text, out.finished)
+        text, thought = piece.text, piece.thinking
+        # each call in one chunk (id, name and all arguments): the client accumulates them
+        chunks = [self.chunk([{"index": out.index, "delta": {"tool_calls": [call.to_openai(i)]},
+                               "logprobs": None, "finish_reason": None}]) for i, call in enumerate(piece.calls)]
+        if piece.calls and reason == "stop":
+            reason = "tool_calls"
         lps = chat_logprobs(out.logprobs) if self.wants_logprobs and out.logprobs else None
-        delta: dict[str, Any] = {"content": text} if text or not out.finish_reason else {}
+        delta: dict[str, Any] = {}
+        if thought:
+            delta["reasoning_content"] = thought
+        if text or not (out.finish_reason or thought):
+            delta["content"] = text
         if out.finish_reason and seq.audio is not None:
             delta["audio"] = seq.audio
         if out.finish_reason and seq.output_trajectory is not None:
             delta["output_trajectory"] = _trajectory(seq.output_trajectory)
-        if chunks and text:  # content first, then the calls, then the finish
+        if chunks and (text or thought):  # content first, then the calls, then the finish
             return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}]),
                     *chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": None,
                                           "finish_reason": reason}])]
         if chunks:
             return [*chunks, self.chunk([{"index": out.index, "delta": {}, "logprobs": lps,
                                           "finish_reason": reason}])]
-        if not text and not out.finished and not lps:
+        if not text and not thought and not out.finished and not lps:
             return []
         return [self.chunk([{"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": reason}])]
 
     def full(self, collected: Collected) -> dict[str, Any]:
         choices = []
         for seq in sorted(collected.seqs.values(), key=lambda s: s.index):
-            content: str | None = "".join(seq.texts)
-            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            answer = whole("".join(seq.texts), self.tools, self.thinking)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.text, "refusal": None}
+            if answer.thinking is not None:
+                message["reasoning_content"] = answer.thinking
             reason = _finish_reason(seq.finish_reason)
-            if self.tools is not None:
-                content, calls = parse(content, self.tools.fmt)
-                if calls:
-                    message["content"] = content
-                    message["tool_calls"] = [c.to_openai() for c in calls]
-                    reason = "tool_calls" if reason == "stop" else reason
+            if answer.calls:
+                message["tool_calls"] = [c.to_openai() for c in answer.calls]
+                reason = "tool_calls" if reason == "stop" else reason
             if seq.audio is not None:
                 message["audio"] = seq.audio
             if seq.output_trajectory is not None:

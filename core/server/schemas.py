@@ -181,6 +181,7 @@ class ChatCompletionRequest:
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     # vLLM / llama.cpp extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -189,6 +190,7 @@ class ChatCompletionRequest:
     stop_token_ids: list[int] | None = None
     # ifb: the seed of a trajectory plan's initial noise (with a trajectory content part)
     noise_seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- the converter ----

@@ -19,6 +19,7 @@ from ifb.outputs import RequestHandle
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.server.errors import ApiError, error_response
 from ifb.server.metrics import ServerMetrics
+from ifb.server.reasoning import Reasoning
 
 #: body fields a range error may name (``SamplingParams.validate`` messages start with the field)
 _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -44,6 +45,8 @@ class AppState:
     metrics: ServerMetrics
     api_key: str | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
+    #: how thinking is split from answers (``--reasoning-parser``), decided at start-up
+    reasoning: Reasoning = Reasoning(parser="none")
 
     ApiError = ApiError
     error_response = staticmethod(error_response)
@@ -82,15 +85,20 @@ class AppState:
 
     # ---- auth ----
     def is_authorized(self, connection: HTTPConnection) -> bool:
+        """``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``, when a key is set."""
         if self.api_key is None:
             return True
+        key = self.api_key.encode()
         scheme, _, token = connection.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return True
+        given = connection.headers.get("x-api-key")
+        return given is not None and hmac.compare_digest(given.strip().encode(), key)
 
     def check_auth(self, connection: HTTPConnection) -> None:
         """Raise ApiError(401) unless the request carries ``Authorization: Bearer <key>``."""
         if not self.is_authorized(connection):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key")
 
     # ---- models ----

@@ -32,7 +32,8 @@ OMNI_TITLE = "Speech output, Omni bundle"
 TTS_TITLE = "Speech output, standalone TTS model"
 
 #: the Omni bundle's endpoints: speech is served on the blocking path and refused per request under the flag
-OMNI_ENDPOINTS = {**TEXT_ENDPOINTS, "audio.speech": EndpointSupport.REFUSED_UNDER_IFB}
+OMNI_ENDPOINTS = {**TEXT_ENDPOINTS, "audio.speech": EndpointSupport.REFUSED_UNDER_IFB,
+                  "audio.transcriptions": EndpointSupport.SERVED}
 TTS_ENDPOINTS = {"audio.speech": EndpointSupport.SERVED}
 
 TTS_NOTE = ("no request engine exists for a TTS-only runtime: the Talker and code-to-waveform decoder speak "

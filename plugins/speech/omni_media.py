@@ -30,9 +30,9 @@ from ifb_plugins.common.media.parts import MediaItem, parse_messages
 from ifb_plugins.common.media.prompt import MediaSpan, expand_media
 
 
-def render(tokenizer: Any, messages: list[dict]) -> str:
+def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - the template's own error is the message
         raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
@@ -48,7 +48,8 @@ def prepare_media(runtime: Any, spec: RequestSpec, prepare_text) -> Prepared:
         raise InvalidRequest("audio and images are sent as input_audio / image_url content parts of chat messages")
     parsed = parse_messages(spec.messages, modalities={"audio", "image"},
                             sampling_rate=runtime.audio_features.sampling_rate)
-    ids = runtime.tokenizer.encode(render(runtime.tokenizer, list(parsed.messages)), add_special_tokens=False)
+    ids = runtime.tokenizer.encode(render(runtime.tokenizer, list(parsed.messages), spec.chat_template_kwargs),
+                                  add_special_tokens=False)
     prepared = prepare_text(attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids)))
     ids = list(prepared.prompt_token_ids)
     kinds = {runtime.audio_token_id: "audio", runtime.image_token_id: "image"}

@@ -15,7 +15,7 @@ from typing import Any
 
 from ifb import hookimpl
 from ifb.capabilities import (
-    DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support,
+    DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
 from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
@@ -59,7 +59,8 @@ def declare(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks, batch_invariant_verified=True, options=vlm_options(config),
-        endpoints=dict(TEXT_ENDPOINTS),
+        # transcription is a chat request with the clip; a checkpoint without an audio encoder refuses it
+        endpoints={**TEXT_ENDPOINTS, "audio.transcriptions": EndpointSupport.SERVED},
     )
 
 

@@ -51,7 +51,8 @@ class VlmRuntime(TextRuntime):
                                     allowed_dir=self.allowed_media_dir,
                                     allow_hint="start the server with --allowed-local-media-path DIR")
             media = parsed.media
-            ids = self.tokenizer.encode(self._render(list(parsed.messages)), add_special_tokens=False)
+            ids = self.tokenizer.encode(self._render(list(parsed.messages), spec.chat_template_kwargs),
+                                        add_special_tokens=False)
             spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))
         prepared = super().prepare(spec)
         ids = list(prepared.prompt_token_ids)
@@ -69,7 +70,7 @@ class VlmRuntime(TextRuntime):
         return MediaSpan(encoded.token_ids, torch.tensor(rows, dtype=torch.long), encoded.embeds,
                          encoded.position_ids)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
         template = self.tokenizer.chat_template or ""
         if any(t in template for t in ("'type'", '"type"', ".type")):
             # A template written for content parts renders a string content as nothing at all (llava-1.5's
@@ -77,7 +78,7 @@ class VlmRuntime(TextRuntime):
             messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the template's own error is the message
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 

@@ -261,3 +261,26 @@ def test_static_batching_drains_before_admitting():
     step = s.schedule()
     assert set(shares(step)) == {"a"}
     assert s.exclusions["b"].startswith("static batching")
+
+
+def test_a_sampling_step_may_finish_no_token_or_a_whole_block():
+    """A block-diffusion runtime: steps that finish nothing reschedule the last token; a block arrives whole."""
+    rt = FakeRuntime()
+    s = scheduler(rt, seats=1, budget=8)
+    r = make(rt, "block", 3, max_tokens=6)
+    s.add(r)
+    step = s.schedule()
+    assert shares(step) == {"block": 3}
+    s.update(step, StepOutput((SeqOutput("block", None),)))  # still denoising
+    step = s.schedule()
+    assert [(q.token_ids, q.start_pos, q.is_sampling) for q in step.seqs] == [((3,), 2, True)]
+    assert r.output_token_ids == [] and r.handle.ready() == []
+    s.update(step, StepOutput((SeqOutput("block", 7, more_token_ids=(8, 9, 10)),)))
+    (out,) = r.handle.ready()  # the block is streamed as one output
+    assert out.token_ids == (7, 8, 9, 10) and not out.finished
+    step = s.schedule()  # the block comes back as tokens to encode, with the next sampling
+    assert [(q.token_ids, q.start_pos, q.is_sampling) for q in step.seqs] == [((7, 8, 9, 10), 3, True)]
+    s.update(step, StepOutput((SeqOutput("block", 11, more_token_ids=(12, 13, 14)),)))
+    (out,) = r.handle.ready()  # max_tokens cuts the block
+    assert out.token_ids == (11, 12) and out.finished and out.finish_reason == "length"
+    assert r.output_token_ids == [7, 8, 9, 10, 11, 12] and not s.running

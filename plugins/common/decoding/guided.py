@@ -29,7 +29,7 @@ import llguidance
 import numpy as np
 import torch
 
-from ifb.params import InvalidRequest
+from ifb.params import InvalidRequest, ThinkingBlock
 from ifb.runtime import Seat
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -115,6 +115,32 @@ def grammar_for(response_format: Any) -> GuidedGrammar | None:
     return GuidedGrammar(kind=kind, grammar=text)
 
 
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a Lark string literal
+
+
+def after_thinking(grammar: GuidedGrammar, block: ThinkingBlock) -> GuidedGrammar:
+    """``grammar`` behind a thinking block: free text up to the block's end, then the grammar.
+
+    The block is optional unless the prompt opened it (``block.is_open``); the
+    whitespace a model writes after the block's end is allowed. The inner
+    grammar is referenced, not rewritten, so every kind (JSON Schema, regex,
+    Lark, GBNF) is wrapped the same way.
+    """
+    try:
+        inner = json.loads(grammar.grammar)
+        grammars = list(inner["grammars"])
+    except (ValueError, KeyError, TypeError):  # Lark text as the library took it
+        grammars = [{"name": "answer", "lark_grammar": grammar.grammar}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    # the rule ends at the first end tag the model writes (``stop``), whatever came before it
+    think = f"thought[stop={_lark_string(block.end)}]: /(.|\\n)*/"
+    opening = "thought" if block.is_open else f"({_lark_string(block.start)} thought)?"
+    outer = f"start: {opening} /[ \\t\\r\\n]*/ @answer\n{think}\n"
+    wrapped = {"grammars": [{"name": "start", "lark_grammar": outer}, *grammars]}
+    return GuidedGrammar(kind=grammar.kind, grammar=json.dumps(wrapped))
+
+
 class _Vocabulary:
     """What ``llguidance.TokenizerWrapper`` reads: every token's raw bytes, the special ids, encode."""
 
@@ -170,11 +196,16 @@ class GuidedDecoder:
                     wrapper, n_vocab=num_tokens, eos_token=list(self.tokenizer.eos_token_ids))
             return self._ll_tokenizer
 
-    def compile(self, response_format: Any) -> GuidedGrammar | None:
-        """Validate ``response_format`` against this vocabulary; raise InvalidRequest with the reason."""
+    def compile(self, response_format: Any, after: ThinkingBlock | None = None) -> GuidedGrammar | None:
+        """Validate ``response_format`` against this vocabulary; raise InvalidRequest with the reason.
+
+        ``after``: the thinking block the answer may start with; the grammar applies after it.
+        """
         grammar = grammar_for(response_format)
         if grammar is None:
             return None
+        if after is not None:
+            grammar = after_thinking(grammar, after)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar.grammar, self.ll_tokenizer)
         if is_error:
             reason = messages[0].strip() if messages else "the grammar is invalid"

@@ -150,7 +150,8 @@ class TextRuntime:
         if lora and lora not in self.lora.adapters:
             known = ", ".join(sorted(self.lora.adapters)) or "none registered"
             raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format")), lora=lora,
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"),
+                                                                    after=spec.thinking), lora=lora,
                                  is_capturing_system_prompt=bool(spec.extras.get("save_system_prompt_kv_cache")))
         # an adapter changes every layer's KV: the context cache keys its blocks apart
         return Prepared(tuple(ids), state, kv_salt=f"lora:{lora}" if lora else None)

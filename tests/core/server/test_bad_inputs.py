@@ -25,6 +25,7 @@ CTX = 512  # the fake runtime's context
 LIMIT = 1024 * 1024  # the body limit these tests run with
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+RESP, MSGS, COUNT = "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"
 
 
 def user(content) -> dict:
@@ -41,6 +42,14 @@ def cmpl(**fields) -> dict:
 
 def tool(name: str = "get_weather", **params) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": params or {"type": "object"}}}
+
+
+def resp(**fields) -> dict:
+    return {"input": "hi", **fields}
+
+
+def msgs(**fields) -> dict:
+    return {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
 def nested(depth: int) -> str:
@@ -192,6 +201,99 @@ CORPUS = [
     ("tokenize-neither", "/tokenize", {}, {}, 400, None),
     ("detokenize-negative", "/detokenize", {"tokens": [-1]}, {}, 400, "tokens"),
     ("detokenize-strings", "/detokenize", {"tokens": ["a"]}, {}, 400, ANY),
+    # -- the Responses API --
+    ("resp-truncated-json", RESP, b'{"input": ', {}, 400, None),
+    ("resp-input-missing", RESP, {"model": "fake"}, {}, 400, "input"),
+    ("resp-input-number", RESP, {"input": 5}, {}, 400, "input"),
+    ("resp-input-empty-list", RESP, {"input": []}, {}, 400, "input"),
+    ("resp-unknown-field", RESP, resp(frobnicate=1), {}, 400, None),
+    ("resp-item-unknown-type", RESP, {"input": [{"type": "computer_call", "id": "x"}]}, {}, 400, "input[0].type"),
+    ("resp-item-not-object", RESP, {"input": ["hi"]}, {}, 400, "input[0]"),
+    ("resp-item-unknown-field", RESP, {"input": [{"role": "user", "content": "x", "colour": 1}]}, {}, 400, ANY),
+    ("resp-role-unknown", RESP, {"input": [{"role": "wizard", "content": "x"}]}, {}, 400, "input[0].role"),
+    ("resp-part-unknown", RESP, {"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, {}, 400,
+     "input[0].content[0].type"),
+    ("resp-image-on-text-model", RESP, {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}, {}, 400, ANY),
+    ("resp-call-output-without-id", RESP, {"input": [{"type": "function_call_output", "output": "x"}]}, {}, 400, ANY),
+    ("resp-call-bad-arguments", RESP, {"input": [{"role": "user", "content": "x"}, {
+        "type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, {}, 400, ANY),
+    ("resp-max-output-zero", RESP, resp(max_output_tokens=0), {}, 400, "max_tokens"),
+    ("resp-temperature-string", RESP, resp(temperature="hot"), {}, 400, "temperature"),
+    ("resp-tool-web-search", RESP, resp(tools=[{"type": "web_search"}]), {}, 400, "tools[0].type"),
+    ("resp-tool-without-name", RESP, resp(tools=[{"type": "function"}]), {}, 400, "tools[0].name"),
+    ("resp-tool-choice-unknown", RESP, resp(tools=[{"type": "function", "name": "f"}], tool_choice="maybe"), {},
+     400, "tool_choice"),
+    ("resp-format-yaml", RESP, resp(text={"format": {"type": "yaml"}}), {}, 400, "text.format.type"),
+    ("resp-format-schema-missing", RESP, resp(text={"format": {"type": "json_schema", "name": "x"}}), {}, 400,
+     "text.format"),
+    ("resp-effort-extreme", RESP, resp(reasoning={"effort": "extreme"}), {}, 400, "reasoning.effort"),
+    ("resp-previous-unknown", RESP, resp(previous_response_id="resp_nope"), {}, 400, "previous_response_id"),
+    ("resp-background", RESP, resp(background=True), {}, 400, "background"),
+    ("resp-truncation-auto", RESP, resp(truncation="auto"), {}, 400, "truncation"),
+    ("resp-include-unknown", RESP, resp(include=["file_search_call.results"]), {}, 400, "include"),
+    ("resp-template-kwargs-messages", RESP, resp(chat_template_kwargs={"messages": []}), {}, 400,
+     "chat_template_kwargs"),
+    ("resp-over-context", RESP, resp(input="b" * (CTX * 40)), {}, 400, None),
+    ("resp-surrogate", RESP, b'{"input": "\\ud800"}', {}, 400, "input"),
+    ("resp-content-type-text", RESP, resp(), {"content-type": "text/plain"}, 415, None),
+    ("resp-origin-foreign", RESP, resp(), {"origin": "https://evil.example"}, 403, None),
+    ("resp-body-over-limit", RESP, resp(input="a" * LIMIT), {}, 413, None),
+    # -- chat completions' reasoning fields --
+    ("chat-effort-unknown", CHAT, chat(reasoning_effort="lots"), {}, 400, "reasoning_effort"),
+    ("chat-enable-thinking-string", CHAT, chat(chat_template_kwargs={"enable_thinking": "yes"}), {}, 400,
+     "chat_template_kwargs.enable_thinking"),
+    ("chat-template-kwargs-list", CHAT, chat(chat_template_kwargs=[1]), {}, 400, "chat_template_kwargs"),
+]
+
+#: bad requests to the Messages API: each answered in Anthropic's error shape
+ANTHROPIC_CORPUS = [
+    ("msgs-truncated-json", MSGS, b'{"max_tokens": ', {}, 400),
+    ("msgs-empty-body", MSGS, b"", {}, 400),
+    ("msgs-max-tokens-missing", MSGS, {"messages": [{"role": "user", "content": "hi"}]}, {}, 400),
+    ("msgs-max-tokens-zero", MSGS, msgs(max_tokens=0), {}, 400),
+    ("msgs-max-tokens-string", MSGS, msgs(max_tokens="4"), {}, 400),
+    ("msgs-messages-missing", MSGS, {"max_tokens": 4}, {}, 400),
+    ("msgs-messages-empty", MSGS, msgs(messages=[]), {}, 400),
+    ("msgs-role-system", MSGS, msgs(messages=[{"role": "system", "content": "x"}]), {}, 400),
+    ("msgs-content-number", MSGS, msgs(messages=[{"role": "user", "content": 5}]), {}, 400),
+    ("msgs-block-unknown", MSGS, msgs(messages=[{"role": "user", "content": [{"type": "video"}]}]), {}, 400),
+    ("msgs-block-text-missing", MSGS, msgs(messages=[{"role": "user", "content": [{"type": "text"}]}]), {}, 400),
+    ("msgs-block-unknown-field", MSGS, msgs(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "x", "colour": 1}]}]), {}, 400),
+    ("msgs-content-empty", MSGS, msgs(messages=[{"role": "user", "content": []}]), {}, 400),
+    ("msgs-image-bad-source", MSGS, msgs(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64"}}]}]), {}, 400),
+    ("msgs-image-on-text-model", MSGS, msgs(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]), {}, 400),
+    ("msgs-tool-use-from-user", MSGS, msgs(messages=[{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]), {}, 400),
+    ("msgs-tool-result-from-assistant", MSGS, msgs(messages=[{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]), {}, 400),
+    ("msgs-server-tool", MSGS, msgs(tools=[{"type": "web_search_20250305", "name": "web_search"}]), {}, 400),
+    ("msgs-tool-choice-unknown", MSGS, msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                            tool_choice={"type": "sometimes"}), {}, 400),
+    ("msgs-tool-choice-unknown-name", MSGS, msgs(tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                                 tool_choice={"type": "tool", "name": "g"}), {}, 400),
+    ("msgs-tool-choice-tool-without-name", MSGS, msgs(tools=[{"name": "f"}], tool_choice={"type": "tool"}), {},
+     400),
+    ("msgs-tool-any-without-guided-decoder", MSGS, msgs(tools=[{"name": "f"}], tool_choice={"type": "any"}), {},
+     400),
+    ("msgs-thinking-unknown", MSGS, msgs(thinking={"type": "sometimes"}), {}, 400),
+    ("msgs-stop-nine", MSGS, msgs(stop_sequences=[str(i) for i in range(9)]), {}, 400),
+    ("msgs-temperature-negative", MSGS, msgs(temperature=-1), {}, 400),
+    ("msgs-output-format-bad", MSGS, msgs(output_config={"format": {"type": "regex"}}), {}, 400),
+    ("msgs-unknown-model", MSGS, msgs(model="claude-9"), {}, 404),
+    ("msgs-over-context", MSGS, msgs(messages=[{"role": "user", "content": "b" * (CTX * 40)}]), {}, 400),
+    ("msgs-surrogate", MSGS, b'{"max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}', {}, 400),
+    ("msgs-content-type-text", MSGS, msgs(), {"content-type": "text/plain"}, 415),
+    ("msgs-origin-foreign", MSGS, msgs(), {"origin": "https://evil.example"}, 403),
+    ("msgs-host-foreign", MSGS, msgs(), {"host": "evil.example"}, 403),
+    ("msgs-body-over-limit", MSGS, msgs(messages=[{"role": "user", "content": "a" * LIMIT}]), {}, 413),
+    ("count-messages-missing", COUNT, {"model": "fake"}, {}, 400),
+    ("count-block-unknown", COUNT, {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, {}, 400),
+    ("count-over-context", COUNT, {"messages": [{"role": "user", "content": "b" * (CTX * 40)}]}, {}, 400),
+    ("msgs-wrong-method", MSGS, None, {}, 405),
 ]
 
 
@@ -225,6 +327,40 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 
 def test_the_corpus_is_large():
     assert len(CORPUS) >= 60 and len({case[0] for case in CORPUS}) == len(CORPUS)
+    names = [case[0] for case in CORPUS + ANTHROPIC_CORPUS]
+    assert len(ANTHROPIC_CORPUS) >= 30 and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("case", ANTHROPIC_CORPUS, ids=[case[0] for case in ANTHROPIC_CORPUS])
+def test_bad_messages_requests_get_anthropic_errors(text_server, case):
+    _, path, body, headers, status = case
+    url, _ = text_server
+    with httpx.Client(base_url=url, timeout=10) as client:
+        response = client.get(path) if body is None else _send(client, path, body, headers)
+        assert response.status_code == status, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        data = response.json()
+        assert set(data) == {"type", "error"} and data["type"] == "error" and set(data["error"]) == {"type", "message"}
+        message = data["error"]["message"]
+        assert isinstance(message, str) and message and "Traceback" not in message
+        expected = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+                    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error"}
+        assert data["error"]["type"] == expected[status]
+        ok = client.post(MSGS, json=msgs(max_tokens=2))
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
+def test_messages_take_x_api_key_and_refuse_in_anthropic_shape():
+    with served(api_key="secret") as (url, _):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            refused = client.post(MSGS, json=msgs())
+            assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+            assert client.post(MSGS, json=msgs(), headers={"x-api-key": "wrong"}).status_code == 401
+            assert client.post(MSGS, json=msgs(max_tokens=2), headers={"x-api-key": "secret"}).status_code == 200
+            assert client.post(MSGS, json=msgs(max_tokens=2),
+                               headers={"authorization": "Bearer secret"}).status_code == 200
+            # the OpenAI routes keep their own shape
+            assert set(client.post(RESP, json=resp()).json()) == {"error"}
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[case[0] for case in CORPUS])

@@ -30,7 +30,7 @@ def test_pruner_makes_media_founder_only():
         assert caps.options["differing_sampling"].support is Support.SERVED
         assert caps.options["lora"].support is Support.REJECTED
         assert caps.options["generate_audio"].support is Support.NOT_APPLICABLE
-        assert set(caps.endpoints) == {"completions", "chat.completions"} and caps.batch_invariant_verified
+        assert set(caps.endpoints) == {"completions", "chat.completions", "audio.transcriptions"} and caps.batch_invariant_verified
 
 
 @pytest.mark.parametrize("raw, expected", [(None, None), (0.5, 0.5), ("0.25", 0.25), (1.0, None)])
