@@ -8,7 +8,7 @@ ones; ``"none"``: float32 weights):
 - batch 1 through ``ifb.LLM(enable_in_flight_batching=True)``: one greedy request of N tokens
   (``ignore_eos``) streamed after a warm-up; decode tokens/s is ``(N - 1) / (t_last - t_first)``,
   the end-to-end rate includes the prefill;
-- batch 1 and 8 directly: ``runtime.execute`` on hand-built decode steps, from a worker
+- batch 1, 8 and C directly: ``runtime.execute`` on hand-built decode steps, from a worker
   thread as the engine runs it (no scheduler, no detokenizer);
 - C concurrent requests (threads x N tokens, ``ignore_eos``) through the same LLM: aggregate tokens/s.
 
@@ -87,50 +87,62 @@ def measure_llm(quantization: str, num_tokens: int, concurrency: int, repeats: i
             for t in threads:
                 t.join()
             aggregate.append(sum(results) / (time.perf_counter() - started))
-        direct = {b: measure_direct(llm.deployment.runtime, b) for b in (1, 8)}
+        direct = {b: measure_direct(llm.deployment.runtime, b) for b in direct_batches(concurrency)}
     finally:
         llm.close()
     return {
         "batch1_decode_tokens_per_s": max(decode),
         "batch1_e2e_tokens_per_s": max(e2e),
         f"concurrent{concurrency}_aggregate_tokens_per_s": max(aggregate),
-        "direct_batch1_decode_tokens_per_s": direct[1],
-        "direct_batch8_decode_tokens_per_s": direct[8],
+        **{f"direct_batch{b}_decode_tokens_per_s": rate for b, rate in direct.items()},
     }
+
+
+def direct_batches(concurrency: int) -> tuple[int, ...]:
+    """The batch sizes measured on ``runtime.execute``: 1, 8, and the concurrency's (all seats)."""
+    return tuple(sorted({1, 8, concurrency}))
 
 
 def measure_direct(runtime: Any, batch: int, context: int = 100, steps: int = 40) -> float:
     """Decode tokens/s of ``runtime.execute`` on ``batch`` sequences of ``context`` tokens, from a worker thread."""
     from ifb.params import SamplingParams
-    from ifb.runtime import ScheduledSeq, ScheduledStep
+    from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep
 
     params = SamplingParams(temperature=0.0, max_tokens=context + steps + 8, ignore_eos=True)
     block_size = runtime.kv_block_size
     per_seq = (context + steps + 8) // block_size + 1
     times: list[float] = []
+    failures: list[BaseException] = []
 
     def run() -> None:
-        seqs = []
-        for b in range(batch):
+        ids: list[list[int]] = []
+        for b in range(batch):  # each sequence seated and prefilled (its whole block table sent once)
             blocks = tuple(range(b * per_seq, (b + 1) * per_seq))
             prompt = tuple((7 * b + i) % 1000 + 10 for i in range(context))
-            out = runtime.execute(ScheduledStep(0, (ScheduledSeq(f"d{b}", b, prompt, 0, blocks, True, params,
-                                                                 context, prompt),)))
-            seqs.append((blocks, list(prompt) + [out.seqs[0].token_id]))
-        for i in range(steps + 3):
-            step = ScheduledStep(i + 1, tuple(
-                ScheduledSeq(f"d{b}", b, (ids[-1],), len(ids) - 1, blocks, True, params, context, tuple(ids))
-                for b, (blocks, ids) in enumerate(seqs)))
+            out = runtime.execute(ScheduledStep(0, (ScheduledSeq(f"d{b}", b, prompt, 0, blocks, True),),
+                                                (NewSeq(f"d{b}", b, prompt, context, params),)))
+            ids.append(list(prompt) + [out.seqs[0].token_id])
+        for i in range(steps + 3):  # then decode steps carry only the new token
+            step = ScheduledStep(i + 1, tuple(ScheduledSeq(f"d{b}", b, (seq[-1],), len(seq) - 1, (), True)
+                                              for b, seq in enumerate(ids)))
             started = time.perf_counter()
             out = runtime.execute(step)
             if i >= 3:  # the first steps warm up
                 times.append(time.perf_counter() - started)
-            for (_, ids), seq_out in zip(seqs, out.seqs):
-                ids.append(seq_out.token_id)
+            for seq, seq_out in zip(ids, out.seqs):
+                seq.append(seq_out.token_id)
 
-    worker = threading.Thread(target=run)
+    def guarded() -> None:
+        try:
+            run()
+        except BaseException as e:  # re-raised in the caller: a worker's error must not read as "no data"
+            failures.append(e)
+
+    worker = threading.Thread(target=guarded)
     worker.start()
     worker.join()
+    if failures:
+        raise failures[0]
     return batch / statistics.median(times)
 
 
@@ -176,8 +188,8 @@ def print_table(report: dict, concurrency: int, modes: list[str]) -> None:
     agg = f"concurrent{concurrency}_aggregate_tokens_per_s"
     rows = [("batch 1 decode (LLM, streamed)", "batch1_decode_tokens_per_s", base1),
             ("batch 1 end to end (LLM, prefill incl.)", "batch1_e2e_tokens_per_s", base1),
-            ("batch 1 decode (runtime.execute)", "direct_batch1_decode_tokens_per_s", base1),
-            ("batch 8 decode (runtime.execute)", "direct_batch8_decode_tokens_per_s", base8),
+            *((f"batch {b} decode (runtime.execute)", f"direct_batch{b}_decode_tokens_per_s", base1 if b == 1 else base8)
+              for b in direct_batches(concurrency)),
             (f"{concurrency} concurrent, aggregate (LLM)", agg, base8)]
     print(f"\n{'tokens/s':44} " + " ".join(f"{m:>12}" for m in modes) + "   (ratio to transformers)")
     for title, key, base in rows:

@@ -7,8 +7,8 @@ its fallbacks (Q5_0, and Q8_0 for V in the layers that get more bits), ``ffn_dow
 Q6_K / Q4_K, the tied embedding on Q8_0. The blocks are random valid bytes (speed does not depend
 on the values). Then, one model at a time, greedy decoding from an 8-token prompt:
 
-- ``native``: ``quantize_model`` (Q5_0 / Q4_K / Q6_K rows as stored on ``stored_matmul``, Q8_0 on
-  the interleaved kernel, int16 activations), the native attention;
+- ``native``: built from ``quant.parts.BlockParts`` (Q5_0 / Q4_K / Q6_K rows as stored on
+  ``stored_matmul``, Q8_0 on the interleaved kernel, int16 activations), the native attention;
 - ``float32``: the file dequantized at load (``load_gguf``), torch's matmuls.
 
 Both models are built first, then measured in A-B-B-A order. Decode tokens/s is ``(N - 1)``
@@ -65,7 +65,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from ifb_plugins.common.quant import kernels as qkernels, linear as quant
+    from ifb_plugins.common.quant import kernels as qkernels
+    from ifb_plugins.common.quant.parts import BlockParts
     from ifb_plugins.common.loading.gguf import load_gguf, read_gguf_tensors
     from ifb_plugins.common.loading.checkpoint import build_model
 
@@ -81,12 +82,12 @@ def main() -> None:
         models = {}
         for mode in ("native", "float32"):
             config, state, _ = load_gguf(path)
-            model = build_model(types.SimpleNamespace(config=config, state_dict=state))
+            parts = (BlockParts(config, read_gguf_tensors(path), state, "native", layer_stack="torch")
+                     if mode == "native" else None)
+            model = build_model(types.SimpleNamespace(config=config, state_dict=state), parts=parts)
             del state
-            if mode == "native":
-                report = quant.quantize_model(model, read_gguf_tensors(path), "native")
-                quant.use_native_attention(model, kernels)
-                print("native:", report.describe())
+            if parts is not None:
+                print("native:", parts.report.describe())
             gc.collect()
             weight_bytes = sum(b.numel() * b.element_size() for b in [*model.parameters(), *model.buffers()])
             print(f"{mode}: {weight_bytes / 2**20:.0f} MiB of weights and buffers")

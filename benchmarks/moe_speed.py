@@ -71,21 +71,21 @@ def write_models(directory: Path, seed: int = 0) -> dict[str, Path]:
 def measure(path: Path, batches: tuple[int, ...], *, python_layers: bool = False) -> dict[str, Any]:
     """Decode tokens/s per batch size; ``python_layers``: without the native decoder (the layer loop
     that MoE models run), to separate its cost from the experts' dispatch."""
-    from ifb import LLM
+    from ifb.capabilities import DeployConfig
+    from ifb_plugins.common.models.native_decoder import NativeDecoder
+    from ifb_plugins.text import declare
+    from ifb_plugins.text.build import load_text_runtime
 
     sys.path.insert(0, str(HERE))
     from decode_speed import measure_direct
 
-    llm = LLM(str(path), enable_in_flight_batching=True, max_batch_size=max(batches), quantization="auto")
-    try:
-        runtime = llm.deployment.runtime
-        if python_layers:
-            runtime.model.decoder_impl = None
-        out = {f"batch{b}_decode_tokens_per_s": measure_direct(runtime, b) for b in batches}
-        out["layers_run_natively"] = runtime.model.decoder_impl is not None
-        return out
-    finally:
-        llm.close()
+    config = DeployConfig(model=str(path), max_batch_size=max(batches), enable_in_flight_batching=True,
+                          options={"quantization": "auto"})
+    # the text plugin's own build, with the layer loop chosen when the model is built
+    runtime = load_text_runtime(config, declare(config), layer_stack="torch" if python_layers else "auto")
+    out: dict[str, Any] = {f"batch{b}_decode_tokens_per_s": measure_direct(runtime, b) for b in batches}
+    out["layers_run_natively"] = isinstance(runtime.model.layer_stack, NativeDecoder)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,27 +66,24 @@ def measure(num_tokens: int = 64, backend: str | None = None, activations: Any =
     import torch
 
     from ifb.capabilities import DeployConfig
-    from ifb_plugins.common.quant import kernels as qkernels, linear as quant
     from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, mode_for_activations
     from ifb_plugins.text.default_model import resolve_model
     from ifb_plugins.common.loading.gguf import read_gguf_tensors
     from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
-    from ifb_plugins.common.models.native_decoder import use_native_decoder
+    from ifb_plugins.common.quant.parts import BlockParts
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test tree's tiny checkpoints
     from tests.models.text import greedy_generate_batch
 
     path = resolve_model(None)
     loaded = load_checkpoint(path)
     reference = build_model(loaded)
-    quantized = build_model(loaded)
-    report = quant.quantize_model(quantized, read_gguf_tensors(path), backend,  # type: ignore[arg-type]
-                                  activations=activations)
-    if report.backend == "native":  # as a deployment runs it: native matmuls and attention
-        kernels = qkernels.load()
-        assert kernels is not None
-        kernels.set_num_threads(torch.get_num_threads())
-        quant.use_native_attention(quantized, kernels)
-        use_native_decoder(quantized, kernels)
+    # as a deployment runs it: native matmuls, attention and (where the layers fit it) decoder
+    parts = BlockParts(loaded.config, read_gguf_tensors(path), loaded.state_dict, backend,  # type: ignore[arg-type]
+                       activations=activations)
+    if parts.kernels is not None:
+        parts.kernels.set_num_threads(torch.get_num_threads())
+    quantized = build_model(loaded, parts=parts)
+    report = parts.report
     # the quantized path's KV cache as a deployment of that mode would hold it
     kv_dtype = kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": kv_cache}), mode_for_activations(activations),
                               PreparedModel(report.describe(), is_native=report.backend == "native"))

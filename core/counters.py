@@ -35,6 +35,8 @@ class SchedulingCounters:
     resident: int = 0
     # token-level counters for /metrics
     prompt_tokens: int = 0
+    #: prompt tokens run through the model (a prefix-cache hit or a shared n > 1 prefill computes fewer)
+    computed_prompt_tokens: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -65,11 +67,13 @@ class SchedulingCounters:
             if mid_flight:
                 self.admitted_mid_flight += 1
 
-    def preempt(self) -> None:
-        """A resident goes back to the queue."""
+    def preempt(self, *, is_sequence: bool = False) -> None:
+        """A resident goes back to the queue; ``is_sequence``: one of an n > 1 request's sequences, whose
+        request stays counted resident until it ends."""
         with self.lock:
-            self.resident -= 1
-            self.queued += 1
+            if not is_sequence:
+                self.resident -= 1
+                self.queued += 1
             self.preempted += 1
 
     def end(self, reason: str, *, was_resident: bool, num_prompt_tokens: int = 0) -> None:
@@ -86,6 +90,11 @@ class SchedulingCounters:
     def stall(self, counter: str) -> None:
         with self.lock:
             self.stalls[counter] = self.stalls.get(counter, 0) + 1
+
+    def add_computed_prompt_tokens(self, num: int) -> None:
+        if num:
+            with self.lock:
+                self.computed_prompt_tokens += num
 
     def add_generation_tokens(self, num: int) -> None:
         with self.lock:

@@ -110,15 +110,19 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
     return Request(
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
-        is_served_whole=prepared.is_served_whole,
+        is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
         eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
     )
 
 
-def fan_out(request: Request, tokenizer) -> list[Request]:
+def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> list[Request]:
     """The n sequences of an n > 1 request, each its own request sharing its handle (sequence i seeded with
-    seed + i); the scheduler counts them as one request, finished with the last of them."""
+    seed + i); the scheduler counts them as one request, finished with the last of them.
+
+    With ``shares_prefill`` (in-flight batching) they take their seats together and the first prefills the
+    prompt for all (``ifb.fork``); otherwise they run one after another.
+    """
     params = request.params
     group = RequestGroup(num_open=params.n)
     sequences = []
@@ -130,7 +134,10 @@ def fan_out(request: Request, tokenizer) -> list[Request]:
             max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
             detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
+            founder_only=request.founder_only, runs_alone=request.runs_alone,
         ))
+    if shares_prefill:
+        group.leader, group.followers = sequences[0], sequences[1:]
     return sequences
 
 
@@ -203,8 +210,12 @@ class RequestEngine:
         if request.is_served_whole and self.is_in_flight:
             raise RequestRejected("this request is served whole by its runtime, which only the blocking path does")
         queued: Request | list[Request] = request
-        if spec.params.n > 1 and not self.is_in_flight:
-            queued = fan_out(request, self.runtime.tokenizer)
+        if spec.params.n > 1:
+            if spec.params.n > self.scheduler.num_seats and self.is_in_flight:
+                raise InvalidRequest(
+                    f"n ({spec.params.n}) is more than the batch size ({self.scheduler.num_seats}): the n "
+                    "sequences of a request decode together, one seat each", param="n")
+            queued = fan_out(request, self.runtime.tokenizer, shares_prefill=self.is_in_flight)
         with self._cv:
             if self._stopping:
                 raise EngineFull("the engine is shutting down")

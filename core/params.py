@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from ifb.transcription import Transcription
+
 
 class InvalidRequest(ValueError):
     """A request whose parameters are malformed or out of range (HTTP 400).
@@ -159,6 +161,9 @@ class RequestSpec:
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
     #: the thinking block the answer may start with; None: the output is all answer
     thinking: ThinkingBlock | None = None
+    #: set by the transcription routes (their messages ask in words too); a runtime whose model has its
+    #: own transcription prompt builds it from this
+    transcription: Transcription | None = None
 
     def validate(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]

@@ -20,7 +20,7 @@ log = logging.getLogger("ifb.plugins")
 #: names a plugin's ``DeploySetting`` may not take: ``DeployConfig``'s fields (``LLM``'s own keywords)
 #: and the ``DeployConfig.options`` keys the core's own flags set
 CORE_SETTING_NAMES = frozenset(a.name for a in attrs.fields(DeployConfig)) | {
-    "lora_adapters", "served_model_name", "warmup_prompt"}
+    "lora_adapters", "max_loras", "max_lora_rank", "served_model_name", "warmup_prompt"}
 
 
 @attrs.frozen

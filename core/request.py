@@ -34,6 +34,8 @@ class Request:
     kv_salt: str | None = None
     #: served whole by the runtime's ``handle_request`` (``Prepared.is_served_whole``)
     is_served_whole: bool = False
+    #: ``Prepared.num_pinned_tokens``: the prompt prefix the context cache keeps for good
+    num_pinned_tokens: int = 0
     output_token_ids: list[int] = attrs.field(factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -82,3 +84,7 @@ class RequestGroup:
     num_open: int
     #: whether one of them has taken a seat (the request's queue time is over)
     is_seated: bool = False
+    #: under in-flight batching: the sequence that prefills the shared prompt (``ifb.fork``), else None
+    leader: "Request | None" = None
+    #: the sequences waiting in their seats to fork from the leader once it has prefilled the prompt
+    followers: list["Request"] = attrs.field(factory=list)

@@ -17,6 +17,7 @@ import attrs
 
 from ifb.capabilities import DeploymentCaps
 from ifb.params import RequestSpec, SamplingParams
+from ifb.transcription import Transcript
 
 if TYPE_CHECKING:  # the request module imports nothing of this one; the names are for the protocol only
     from ifb.kv import BlockManager
@@ -58,6 +59,9 @@ class ScheduledStep:
     seqs: tuple[ScheduledSeq, ...]
     #: requests seated since the last step: their per-seat state starts clean
     new_seqs: tuple[NewSeq, ...] = ()
+    #: KV blocks to copy, (source, destination), before the step's forward: the last, partial block of a
+    #: prompt that n > 1 sequences share (each writes its own tokens into its copy)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +151,9 @@ class Prepared:
     #: the runtime serves this request whole, itself (``handle_request``), not step by step; only where
     #: requests run one at a time (the blocking path)
     is_served_whole: bool = False
+    #: keep the KV of the prompt's first N tokens in the context cache, never evicted (the legacy system-prompt
+    #: capture under in-flight batching): published when the step that computed them ends, then leased by others
+    num_pinned_tokens: int = 0
 
 
 @runtime_checkable
@@ -204,6 +211,12 @@ class Runtime(Protocol):
         Called on the actor thread when a request finishes with ``stop`` or
         ``length``; the last output returned must be ``finished``.
         """
+
+    def read_transcript(self, text: str, is_final: bool) -> Transcript:
+        """Optional: a transcription request's output text read as a transcript (without the header
+        the model writes first, e.g. the language it heard); ``is_final`` false while the output
+        grows, when a header that may still be coming reads as no text yet. Without it the output
+        is the transcript."""
 
     def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
         """Serve one request whole, alone in its seat; yield its outputs, the last ``finished``.

@@ -16,7 +16,8 @@ that moves its counters.
 The blocking path is this scheduler with one seat: requests run one at a time,
 a request waiting longer than ``queue_timeout`` fails with ``QUEUE_TIMEOUT``, and
 an n > 1 request is fanned out into its sequences, which run one after another
-and are counted as one request.
+and are counted as one request. Under in-flight batching the n sequences take
+their seats together and share one prefill of the prompt (``ifb.fork``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 import attrs
 from typing import Callable, Iterable, Protocol
 
+from ifb import fork
 from ifb.counters import SchedulingCounters
 from ifb.kv import BlockManager
 from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
@@ -114,6 +116,8 @@ class Scheduler:
         self._deliveries: Deliveries | None = None
         #: requests seated since the last step was built: they go to the runtime once, as ``NewSeq``
         self._new: dict[str, Request] = {}
+        #: KV blocks to copy (src, dst) before the next step's forward: n > 1 sequences forking
+        self._copies: list[tuple[int, int]] = []
 
     # ---- intake ----
     def submit(self, request: Request | list[Request], max_in_system: int | None = None) -> bool:
@@ -151,7 +155,8 @@ class Scheduler:
     def _admission_blocks(self, request: Request) -> int:
         if self.batch_wide_length:
             return self.blocks.blocks_for(request.num_prompt_tokens + request.max_tokens)
-        return self.blocks.blocks_for(request.num_tokens)  # its prefill: prompt + tokens already generated
+        # its prefill (prompt + tokens already generated), plus an n > 1 request's copies of its last block
+        return fork.blocks_needed(request, self.blocks)
 
     def head_may_join(self, head: Request) -> str | None:
         """Why the queue head cannot join the running batch now (a stall counter), or None."""
@@ -179,6 +184,8 @@ class Scheduler:
             if self.static_batching and not founding:
                 return "static batching: the running batch drains first"
             head = self.waiting[0]
+            if len(self._free_seats) < fork.seats_needed(head):
+                return "no free seat"  # an n > 1 request takes its n seats together
             stall = self.head_may_join(head)
             if stall is not None:
                 self.counters.stall(stall)
@@ -186,6 +193,10 @@ class Scheduler:
             if not self.running and self.batch_wide_length:
                 self._fit_founder(head)
             self._seat(head, mid_flight=not founding)
+            for follower in head.group.followers if head.group is not None and head.group.leader is head else ():
+                self.waiting.remove(follower)
+                self.waiting.appendleft(follower)
+                self._seat(follower, mid_flight=not founding, is_follower=True)
         return None
 
     def _fit_founder(self, head: Request) -> None:
@@ -194,10 +205,11 @@ class Scheduler:
         room = self.blocks.num_free * self.blocks.block_size - head.num_prompt_tokens
         head.max_tokens = max(1, min(head.max_tokens, room))
 
-    def _seat(self, head: Request, mid_flight: bool) -> None:
+    def _seat(self, head: Request, mid_flight: bool, is_follower: bool = False) -> None:
         self.waiting.popleft()
         now = time.monotonic()
-        leased, num_cached = self.prefix.match(head) if self.prefix else ([], 0)
+        # a follower's blocks come from its leader when it forks
+        leased, num_cached = self.prefix.match(head) if self.prefix and not is_follower else ([], 0)
         head.block_ids = leased
         if self.batch_wide_length:
             head.block_ids += self.blocks.allocate(max(0, self._admission_blocks(head) - len(leased)))
@@ -245,8 +257,9 @@ class Scheduler:
         new_seqs = tuple(NewSeq(request_id=r.request_id, seat=r.seat, token_ids=tuple(r.all_token_ids()),
                                 num_prompt_tokens=r.num_prompt_tokens, params=r.params, state=r.state)
                          for r in new.values())
+        copies, self._copies = tuple(self._copies), []
         return ScheduledStep(step_id=self.num_steps, seqs=tuple(self._scheduled_seq(r, n) for r, n in shares),
-                             new_seqs=new_seqs)
+                             new_seqs=new_seqs, block_copies=copies)
 
     def _time_out_waiting(self) -> None:
         """Fail each queued request that has waited past the queue time-out for its first seat."""
@@ -262,13 +275,17 @@ class Scheduler:
         """Each resident's share of the step: decode tokens first, then prefill chunks in admission order."""
         budget = self.token_budget
         plan = []
+        self._copies += fork.fork_ready(self.running, self.blocks)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for r in decoding + prefilling:
+            if fork.is_waiting_to_fork(r):
+                self.exclusions[r.request_id] = fork.WAITS_FOR_LEADER
+                continue
             if budget == 0:
                 self.exclusions[r.request_id] = "token budget spent"
                 continue
-            num_new = min(r.num_tokens - r.num_computed_tokens, budget)
+            num_new = min(r.num_tokens - r.num_computed_tokens, budget, fork.leader_cap(r) or budget)
             budget -= num_new
             plan.append((r, num_new))
         return plan
@@ -322,12 +339,12 @@ class Scheduler:
         # victims leave youngest first, so putting each at the head keeps the queue in arrival order
         self.waiting.appendleft(r)
         self.exclusions[r.request_id] = "preempted: the KV pool ran out"
-        if r.group is None:
-            self.counters.preempt()
+        self.counters.preempt(is_sequence=r.group is not None)
         log.debug("preempted %s (%d tokens to recompute)", r.request_id, r.num_tokens)
 
     def _vacate(self, r: Request) -> None:
         self.running.remove(r)
+        fork.leave(r)
         self._new.pop(r.request_id, None)
         self.blocks.free(r.block_ids)
         r.block_ids = []
@@ -367,6 +384,8 @@ class Scheduler:
                 r = self.requests.get(seq.request_id)
                 if r is None or r.status is not Status.RUNNING:
                     continue
+                self.counters.add_computed_prompt_tokens(
+                    max(0, min(seq.start_pos + len(seq.token_ids), r.num_prompt_tokens) - seq.start_pos))
                 r.num_computed_tokens += len(seq.token_ids)
                 if not seq.is_sampling:
                     continue

@@ -17,6 +17,7 @@ from ifb.server.errors import ApiError, api_error_response, handle_api_error, ha
     handle_unexpected
 from ifb.server.guard import Guard, GuardConfig
 from ifb.server.metrics import ServerMetrics
+from ifb.server.lora_routes import lora_routes
 from ifb.server.openai_routes import app_state, openai_routes
 from ifb.server.reasoning import Reasoning, detect
 from ifb.server.state import AppState
@@ -105,6 +106,7 @@ def build_app(deployment, *, api_key: str | None = None, model_name: str | None 
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes(),
+        *lora_routes(),
     ]
     extra = _plugin_routes(host or default_host(), state)
     if extra:

@@ -62,6 +62,11 @@ def _setup_logging(level: str) -> None:
               help="Tokens of KV cache to allocate.")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=DIR",
               help="Register a LoRA adapter; a request selects it with \"model\": NAME. Repeatable.")
+@click.option("--max-loras", type=click.IntRange(min=1), default=None,
+              help="LoRA adapters loaded at once (start-up and the admin route /v1/load_lora_adapter). "
+                   "[default: 4 with --lora, else none]")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="The largest adapter rank accepted.  [default: 64]")
 @click.option("--served-model-name", default=None, help="The model name clients use (default: from the file).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -86,6 +91,7 @@ def _setup_logging(level: str) -> None:
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
           max_queued_requests: int, queue_timeout: float, max_num_batched_tokens: int | None,
           enable_context_reuse: bool, max_kv_cache_capacity: int | None, loras: tuple[str, ...],
+          max_loras: int | None, max_lora_rank: int | None,
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
@@ -107,6 +113,10 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     adapters = _parse_lora(loras)
     if adapters:
         options["lora_adapters"] = adapters
+    if max_loras is not None:
+        options["max_loras"] = max_loras
+    if max_lora_rank is not None:
+        options["max_lora_rank"] = max_lora_rank
     if served_model_name:
         options["served_model_name"] = served_model_name
     if warmup_prompt is not None:

@@ -104,7 +104,11 @@ class AppState:
     # ---- models ----
     @property
     def lora_names(self) -> list[str]:
-        return sorted((self.deployment.config.options.get("lora_adapters") or {}))
+        """The LoRA adapters served now (the runtime's registry: registered at start-up or loaded since)."""
+        lora = getattr(self.runtime, "lora", None)
+        if lora is not None:
+            return lora.names()
+        return sorted(self.deployment.config.options.get("lora_adapters") or {})  # a runtime without a registry
 
     def model_extras(self, model: str | None) -> dict[str, Any]:
         """Extras a request's ``model`` field implies: a LoRA adapter's name selects it."""

@@ -10,6 +10,11 @@ instruction (transcribe, or translate into English), the request's
 ``srt``, ``vtt``; ``stream: true`` answers with ``transcript.text.delta`` /
 ``transcript.text.done`` events. A deployment declares the endpoint
 (``audio.transcriptions``); its model must hear audio.
+
+The request also carries ``RequestSpec.transcription`` (``language``, ``prompt``,
+whether to translate), for a model with its own transcription prompt, and the
+output is read through the runtime's optional ``read_transcript``: a header
+the model writes before the text (the language it heard) is not part of it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import base64
 import io
 import wave
+from typing import Callable
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
@@ -29,6 +35,7 @@ from ifb.outputs import RequestOutput
 from ifb.params import RequestSpec, SamplingParams
 from ifb.server.errors import ApiError
 from ifb.server.render import Collected, Sequence
+from ifb.transcription import Transcript, Transcription
 
 #: the largest upload taken (OpenAI's limit)
 MAX_AUDIO_BYTES = 25 * 1024 * 1024
@@ -104,23 +111,44 @@ def render(text: str, fmt: str, duration: float, language: str | None, usage: di
                                                  "total_tokens": usage["total_tokens"]}})
 
 
+#: reads a transcription's output text (``Runtime.read_transcript``; the text itself without one)
+Reader = Callable[[str, bool], Transcript]
+
+
+def plain_transcript(text: str, is_final: bool) -> Transcript:
+    return Transcript(text)
+
+
 class TranscriptRenderer:
-    """The stream: ``transcript.text.delta`` per output, ``transcript.text.done`` with the whole text."""
+    """The stream: ``transcript.text.delta`` as the transcript grows, ``transcript.text.done`` with all of it."""
 
     done_marker = None
     include_usage = False
 
+    def __init__(self, reader: Reader = plain_transcript):
+        self.reader = reader
+        self.sent = ""
+
     def opening(self) -> list:
         return []
 
+    def _grow(self, transcript: str) -> list:
+        # a reader only ever extends what it showed (a header is held back until it is read)
+        if not transcript.startswith(self.sent) or len(transcript) == len(self.sent):
+            return []
+        delta, self.sent = transcript[len(self.sent):], transcript
+        return [{"type": "transcript.text.delta", "delta": delta}]
+
     def delta(self, out: RequestOutput, seq: Sequence) -> list:
-        return [{"type": "transcript.text.delta", "delta": out.text}] if out.text else []
+        return self._grow(self.reader("".join(seq.texts), False).text) if not out.finished else []
 
     def closing(self, collected: Collected) -> list:
+        text = self.reader("".join(collected.seqs[0].texts), True).text
         usage = collected.usage()
-        return [{"type": "transcript.text.done", "text": "".join(collected.seqs[0].texts).strip(),
-                 "usage": {"type": "tokens", "input_tokens": usage["prompt_tokens"],
-                           "output_tokens": usage["completion_tokens"], "total_tokens": usage["total_tokens"]}}]
+        return [*self._grow(text), {
+            "type": "transcript.text.done", "text": text.strip(),
+            "usage": {"type": "tokens", "input_tokens": usage["prompt_tokens"],
+                      "output_tokens": usage["completion_tokens"], "total_tokens": usage["total_tokens"]}}]
 
     def error_event(self, error: ApiError) -> dict:
         return error.body()
@@ -129,11 +157,14 @@ class TranscriptRenderer:
 class _Whole(TranscriptRenderer):
     """The whole text in the asked ``response_format`` (not streamed)."""
 
-    def __init__(self, fmt: str, duration: float, language: str | None):
+    def __init__(self, reader: Reader, fmt: str, duration: float, language: str | None):
+        super().__init__(reader)
         self.fmt, self.duration, self.language = fmt, duration, language
 
     def full(self, collected: Collected) -> Response:
-        return render("".join(collected.seqs[0].texts), self.fmt, self.duration, self.language, collected.usage())
+        transcript = self.reader("".join(collected.seqs[0].texts), True)
+        return render(transcript.text, self.fmt, self.duration, transcript.language or self.language,
+                      collected.usage())
 
 
 async def _handle(request: Request, translate: bool) -> Response:
@@ -180,11 +211,13 @@ async def _handle(request: Request, translate: bool) -> Response:
     messages.append({"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}},
         {"type": "text", "text": instruction(language if isinstance(language, str) else None, translate)}]})
+    task = Transcription(language=language if isinstance(language, str) else None,
+                         prompt=prompt if isinstance(prompt, str) else None, translate=translate)
     spec = RequestSpec(messages=tuple(messages), stream=stream,
                        params=SamplingParams(temperature=temperature, max_tokens=MAX_TRANSCRIPT_TOKENS),
-                       extras=extras)
-    renderer = TranscriptRenderer() if stream else _Whole(fmt, len(samples) / rate,
-                                                           language if isinstance(language, str) else None)
+                       extras=extras, transcription=task)
+    reader: Reader = getattr(state.runtime, "read_transcript", None) or plain_transcript
+    renderer = TranscriptRenderer(reader) if stream else _Whole(reader, fmt, len(samples) / rate, task.language)
     return await generate(request, state, spec, renderer)
 
 

@@ -20,22 +20,24 @@ kind of thing:
 - ``chat``: ``tokenizer`` (``TextTokenizer``) and ``prompt`` (chat rendering with the checkpoint's
   template, ``prompt_token_ids``);
 - ``models``: ``config`` (``TextModelConfig``), ``decoder`` (the Llama-family ``TextModel`` over a
-  paged KV cache, ``RMSNorm``, RoPE), ``deepstack`` (Qwen3-VL's DeepStack decoder) and
-  ``native_decoder`` (the whole stack as one native call per step), and the family modules with
-  layers of their own, ``gemma4`` (Gemma 4 text) and ``gpt_oss``;
+  paged KV cache, ``RMSNorm``, RoPE), ``parts`` (``ModelParts``: what a ``TextModel`` is built from;
+  ``LayerStack``), ``deepstack`` (Qwen3-VL's DeepStack decoder), ``native_decoder`` (the whole
+  stack as one native call per step), and the family modules with layers of their own, ``gemma4``
+  (Gemma 4 text) and ``gpt_oss``;
 - ``layers``: ``attention`` (paged attention: ``AttnMetadata``, ``build_attn_metadata``,
   ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
   ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
 - ``loading``: ``checkpoint`` (``load_checkpoint``, ``build_model``: a ``.gguf`` file or a Hugging
   Face directory), ``hf`` and ``gguf``;
-- ``quant``: ``linear`` (the GGUF-block linear layers), ``blocks`` (their integer reference in
-  torch), ``int4_torch`` (torch's packed int4 fallback) and ``kernels`` (the native kernels; their C
-  sources live in ``quant/csrc/``);
+- ``quant``: ``linear`` (the GGUF-block linear layers), ``parts`` (``BlockParts``: a model built on
+  them), ``blocks`` (their integer reference in torch), ``int4_torch`` (torch's packed int4
+  fallback) and ``kernels`` (the native kernels; their C sources live in ``quant/csrc/``);
 - ``media``: ``parts`` (OpenAI-style image / audio content parts: ``parse_messages``,
   ``MediaItem``), ``prompt`` (placeholders expanded at admission, embeddings spliced per step),
   ``mel`` (Whisper's log-mel features), ``image_ops`` and ``qwen2_5_vl_image`` (image
   preprocessing as the models' processors compute it), and the vision towers ``vision`` (CLIP /
-  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``.
+  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``, and ``qwen3_audio`` (the Qwen3 audio encoder
+  Qwen3-Omni and Qwen3-ASR share).
 
 Test fixtures (tiny reference-built checkpoints) live in the test tree (``tests/models``), not here.
 
@@ -52,11 +54,12 @@ from typing import Any
 PUBLIC_MODULES = (
     "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling",
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
-    "models.deepstack", "models.native_decoder", "models.gemma4", "models.gpt_oss", "layers.moe", "layers.attention", "layers.mrope",
-    "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear",
+    "models.deepstack", "models.native_decoder", "models.parts", "models.gemma4", "models.gpt_oss", "layers.moe",
+    "layers.attention", "layers.mrope",
+    "layers.triton_kernels", "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear", "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
-    "media.qwen3_vl_vision",
+    "media.qwen3_vl_vision", "media.qwen3_audio",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from

@@ -5,7 +5,9 @@ request's KV salt), so a key names a whole prefix, and anything that changes
 the KV for the same tokens (a LoRA adapter, media) changes the salt. A block is
 published only when the step that computed it has finished (``commit``), so a
 request admitted into that same step can never lease half-written KV. Blocks
-whose count drops to zero stay cached and are evicted least recently used.
+whose count drops to zero stay cached and are evicted least recently used,
+except those a request pinned (``Request.num_pinned_tokens``: the legacy
+system-prompt capture), which the cache holds a reference to for good.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class PrefixCache:
         self.key_of: dict[int, bytes] = {}  # block id -> key
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._tracked: dict[str, _Tracked] = {}
+        #: keys of the blocks pinned by a capture (the cache holds one reference to each)
+        self.pinned: set[bytes] = set()
         blocks.cache = self
 
     # ---- BlockCache ----
@@ -119,6 +123,14 @@ class PrefixCache:
                 if key not in self.table and block_id not in self.key_of:
                     self.table[key] = block_id
                     self.key_of[block_id] = key
+            self._pin(request, tracked)
+
+    def _pin(self, request: Request, tracked: _Tracked) -> None:
+        """Hold the full blocks of the request's pinned prefix that are published (a capture)."""
+        for key in tracked.keys[:request.num_pinned_tokens // self.blocks.block_size]:
+            if key not in self.pinned and key in self.table:
+                self.pinned.add(key)
+                self.blocks.incref([self.table[key]])
 
     def forget(self, request: Request) -> None:
         self._tracked.pop(request.request_id, None)

@@ -27,7 +27,8 @@ def mamba_options() -> dict[str, OptionSupport]:
         # every row of a step samples with its own parameters (ifb_plugins.common.decoding.sampling)
         "differing_sampling": OptionSupport(Support.SERVED, reason="Sampling is per sequence."),
         "n_sequences": OptionSupport(
-            Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),
+            Support.REJECTED, reason="n > 1 sequences share the prompt's KV blocks; a recurrent state is not forked.",
+            alternative=BLOCKING),
         # No adapter loader is built for this model, so no path serves a per-request adapter.
         "lora": OptionSupport(Support.NOT_APPLICABLE, reason="No LoRA adapters are built for hybrid Mamba models."),
         # The legacy capture is not built here; the context cache covers the shared-prefix case.

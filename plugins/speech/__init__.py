@@ -25,7 +25,9 @@ from ifb.capabilities import (
 )
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
-from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import (
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+)
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
 OMNI_TITLE = "Speech output, Omni bundle"
@@ -40,9 +42,10 @@ TTS_NOTE = ("no request engine exists for a TTS-only runtime: the Talker and cod
             "a whole utterance per request")
 
 
-def omni_options() -> dict[str, OptionSupport]:
+def omni_options(config: DeployConfig | None = None) -> dict[str, OptionSupport]:
     """The Thinker's text options, with speech output rejected under in-flight batching."""
-    options = text_options()
+    options = text_options(context_reuse=config is not None and config.enable_context_reuse)
+    blocking_path_only(options, TEXT_PLUGIN_ONLY, "speech")
     options["media_under_pruner"] = OptionSupport(
         Support.SERVED, reason="No visual-token pruner is built for Qwen3-Omni: its audio and vision encoders "
                                "run at admission and media requests join the running batch.")
@@ -73,7 +76,7 @@ def declare_omni(config: DeployConfig) -> DeploymentCaps:
     # (and re-checked on the bundle by tests/plugins/speech).
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=omni_options(),
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=omni_options(config),
         endpoints=dict(OMNI_ENDPOINTS))
 
 

@@ -5,7 +5,7 @@ the checkpoint's template (one ``<|audio_pad|>`` between ``<|audio_start|>``
 and ``<|audio_end|>`` per clip, one ``<|image_pad|>`` between
 ``<|vision_start|>`` and ``<|vision_end|>`` per image), runs the encoders and
 expands each placeholder to the item's token count, as Qwen3-Omni's processor
-does. The embeddings travel in ``Prepared.extras``; ``common.media_prompt.splice_embeddings``
+does. The embeddings travel in the prepared state (``TextRequestState.media``); ``media.prompt.splice_embeddings``
 puts them over their rows in whatever prefill chunk a step carries, so the step
 loop never runs an encoder and a media request joins a running batch.
 
@@ -38,7 +38,7 @@ def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = 
 
 
 def prepare_media(runtime: Any, spec: RequestSpec, prepare_text) -> Prepared:
-    """The request's prompt with each clip's and image's placeholder expanded, their embeddings in the extras.
+    """The request's prompt with each clip's and image's placeholder expanded, their embeddings in its state.
 
     ``runtime`` has ``tokenizer``, ``audio_encoder``, ``audio_features``, ``image_encoder``,
     ``audio_token_id``, ``image_token_id``, ``model``, ``max_model_len`` and ``device``;

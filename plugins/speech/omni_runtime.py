@@ -34,7 +34,7 @@ from ifb.runtime import Prepared, ScheduledStep, Seat
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.models.deepstack import build_text_model
-from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.lora import lora_set
 from ifb_plugins.common.media.prompt import media_step_positions, splice_embeddings
 from ifb_plugins.common.models.decoder import rope_table
 from ifb_plugins.common.layers.moe import fuse_expert_state
@@ -43,7 +43,8 @@ from ifb_plugins.common.runtime.text import KV_BLOCK_SIZE, TextRequestState, Tex
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.speech import audio
 from ifb_plugins.speech.omni import load_code2wav, read_omni_config
-from ifb_plugins.speech.omni_audio import AudioEncoder, FeatureConfig, load_audio_encoder
+from ifb_plugins.common.media.qwen3_audio import AudioEncoder
+from ifb_plugins.speech.omni_audio import FeatureConfig, load_audio_encoder
 from ifb_plugins.speech.omni_media import prepare_media
 from ifb_plugins.speech.omni_vision import OmniImageEncoder, load_image_encoder
 from ifb_plugins.speech.omni_talker import OmniTalker, ThinkerStates, load_talker
@@ -249,5 +250,5 @@ def load_omni_runtime(config: DeployConfig, caps: DeploymentCaps) -> OmniRuntime
                        model=thinker,
                        tokenizer=tokenizer, caps=caps, config=config,
                        model_name=config.options.get("served_model_name") or path.name,
-                       lora=LoraSet(thinker, dict(config.options.get("lora_adapters") or {})))
+                       lora=lora_set(thinker, config))
 

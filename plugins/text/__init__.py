@@ -14,7 +14,7 @@ TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 def declare(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=text_options(),
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=text_options(context_reuse=config.enable_context_reuse),
         endpoints=dict(TEXT_ENDPOINTS),
     )
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model, load_checkpoint
-from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.lora import lora_enabled, lora_set
 from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.models.parts import ModelParts
 from ifb_plugins.common.runtime.text import TextRuntime
 
 log = logging.getLogger("ifb.text")
@@ -21,6 +22,9 @@ log = logging.getLogger("ifb.text")
 _ACTIVATIONS = {"auto": "int16", "int8": "int8", "weights-only": "float32"}
 #: values of ``DeployConfig.options["quantization"]``: those, and ``none`` (float32 weights)
 QUANTIZATION_MODES = (*_ACTIVATIONS, "none")
+#: what runs the layers of a quantized model: the native decoder where they fit it (``auto``), or the
+#: layer loop (``torch``; ``quant.parts.BlockParts``)
+StackChoice = Literal["auto", "torch"]
 #: values of ``DeployConfig.options["kv_cache_dtype"]``
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
 
@@ -47,7 +51,7 @@ def quantization_mode(config: DeployConfig) -> str:
 
 @attrs.frozen
 class PreparedModel:
-    """How ``prepare_model`` left the model."""
+    """How ``build_text_model`` built the model."""
 
     description: str
     #: the matmuls run on the native kernels' threads (see ``TextRuntime.step_torch_threads``)
@@ -56,37 +60,62 @@ class PreparedModel:
     argmax: Callable[[torch.Tensor], list[int]] | None = None
 
 
-def prepare_model(model: TextModel, loaded: LoadedCheckpoint, mode: str, *, has_lora: bool) -> PreparedModel:
-    """Move ``model``'s quantized GGUF matrices onto block matmuls (in place) when ``mode`` allows.
+def model_parts(loaded: LoadedCheckpoint, mode: str, *, has_lora: bool,
+                layer_stack: StackChoice = "auto") -> ModelParts:
+    """The parts ``loaded`` is built from in ``mode``: its GGUF blocks where the mode runs them
+    (``quant.parts.BlockParts``), else the float32 modules.
 
-    LoRA adapters hook the float32 projections by name, so a deployment with
-    adapters keeps the model as loaded.
+    LoRA adapters hook the projections (``runtime.lora``), so a deployment that
+    serves adapters runs its layers from Python: block matmuls and attention on the
+    native kernels, but the layer loop, not the native whole-stack decoder (which no
+    hook sees).
     """
-    if has_lora:
-        return PreparedModel("float32 (LoRA adapters registered)")
-    if mode != "none" and loaded.source == "gguf":
-        from ifb_plugins.common.quant import kernels as qkernels, linear as quant
-        from ifb_plugins.common.loading.gguf import read_gguf_tensors
-        from ifb_plugins.common.models.native_decoder import use_native_decoder
+    if mode == "none" or loaded.source != "gguf":
+        return ModelParts()
+    from ifb_plugins.common.quant.parts import BlockParts
 
-        report = quant.quantize_model(model, read_gguf_tensors(loaded.path), activations=_ACTIVATIONS[mode])
-        kernels = qkernels.load() if report.backend == "native" and report.num_quantized else None
-        if kernels is not None:
-            kernels.set_num_threads(torch.get_num_threads())
-            quant.use_native_attention(model, kernels)
-            if model.config.has_moe:
-                # the native decoder runs dense layer stacks only: each layer's forward runs from Python,
-                # its matmuls (every routed expert's included) and attention on the native kernels
-                log.info("mixture-of-experts layers: the layer loop runs in Python, not the native decoder; "
-                         "matmuls and attention run on the native kernels")
-                return PreparedModel(report.describe() + "; mixture-of-experts layers driven from Python",
-                                     is_native=True, argmax=kernels.argmax)
-            if use_native_decoder(model, kernels):
-                return PreparedModel(report.describe() + "; layers run natively", is_native=True,
-                                     argmax=kernels.argmax)
-            return PreparedModel(report.describe(), is_native=True, argmax=kernels.argmax)
+    return BlockParts.for_checkpoint(loaded, activations=_ACTIVATIONS[mode],
+                                     layer_stack="torch" if has_lora else layer_stack)
+
+
+def describe_model(model: TextModel, parts: ModelParts, *, has_lora: bool) -> PreparedModel:
+    """What ``parts`` made of ``model``, for the load log and the runtime's settings."""
+    from ifb_plugins.common.models.native_decoder import NativeDecoder
+    from ifb_plugins.common.quant.parts import BlockParts
+
+    if not isinstance(parts, BlockParts):
+        return PreparedModel("float32 (LoRA adapters registered)" if has_lora else "float32")
+    report = parts.report
+    if parts.kernels is None or not report.num_quantized:
         return PreparedModel(report.describe())
-    return PreparedModel("float32")
+    native = dict(is_native=True, argmax=parts.kernels.argmax)
+    if has_lora:
+        return PreparedModel(report.describe() + "; layers driven from Python (LoRA adapters)", **native)
+    if model.config.has_moe:
+        # the native decoder runs dense layer stacks only: each layer's forward runs from Python,
+        # its matmuls (every routed expert's included) and attention on the native kernels
+        log.info("mixture-of-experts layers: the layer loop runs in Python, not the native decoder; "
+                 "matmuls and attention run on the native kernels")
+        return PreparedModel(report.describe() + "; mixture-of-experts layers driven from Python", **native)
+    if isinstance(model.layer_stack, NativeDecoder):
+        return PreparedModel(report.describe() + "; layers run natively", **native)
+    return PreparedModel(report.describe(), **native)
+
+
+def build_text_model(loaded: LoadedCheckpoint, mode: str, *, has_lora: bool,
+                     layer_stack: StackChoice = "auto") -> tuple[TextModel, PreparedModel]:
+    """The deployment's model: built from ``model_parts``, then the deferred matrices it still
+    holds in float32 (types without a block path, or a float32 deployment) read from the file."""
+    parts = model_parts(loaded, mode, has_lora=has_lora, layer_stack=layer_stack)
+    kernels = getattr(parts, "kernels", None)
+    if kernels is not None:
+        kernels.set_num_threads(torch.get_num_threads())
+    model = build_model(loaded, dtype=torch.float32, parts=parts)
+    if loaded.deferred - parts.consumed:
+        from ifb_plugins.common.loading.gguf import materialize
+
+        materialize(model, loaded.path, loaded.deferred - parts.consumed)
+    return model, describe_model(model, parts, has_lora=has_lora)
 
 
 def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> torch.dtype:
@@ -102,25 +131,21 @@ def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> 
     return dtype
 
 
-def load_text_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
+def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack: StackChoice = "auto") -> TextRuntime:
+    """The text deployment's runtime (``layer_stack``: see ``StackChoice``; benchmarks compare them)."""
     path = Path(config.model)
     from ifb_plugins.text.families import family_of_dir, load_family_runtime
 
     if path.is_dir() and family_of_dir(path):  # Gemma 4 text, gpt-oss: model modules of their own
         return load_family_runtime(config, caps)
     mode = quantization_mode(config)
-    adapters = dict(config.options.get("lora_adapters") or {})
+    has_lora = lora_enabled(config)
     # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards
     # (a type with no block path, or a float32 deployment after all) is read in float32 then
-    loaded = load_checkpoint(path, defer_quantized=mode != "none" and not adapters)
-    model = build_model(loaded, dtype=torch.float32)
+    loaded = load_checkpoint(path, defer_quantized=mode != "none")
+    model, prepared = build_text_model(loaded, mode, has_lora=has_lora, layer_stack=layer_stack)
     name = config.options.get("served_model_name") or model_name_for(path)
-    prepared = prepare_model(model, loaded, mode, has_lora=bool(adapters))
-    if loaded.deferred:
-        from ifb_plugins.common.loading.gguf import materialize
-
-        materialize(model, loaded.path, loaded.deferred)
-    lora = LoraSet(model, adapters)
+    lora = lora_set(model, config)
     kv_dtype = kv_cache_dtype(config, mode, prepared)
     log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache)", name, loaded.source, loaded.config.num_layers,
              loaded.config.hidden_size, prepared.description, str(kv_dtype).removeprefix("torch."))

@@ -1,6 +1,7 @@
 """The vlm plugin: image and audio input under in-flight batching, for real checkpoints.
 
-The model families (``families``: LLaVA, SmolVLM / Idefics3, Qwen2-Audio) are
+The model families (``families``: LLaVA, SmolVLM / Idefics3, Qwen2.5-VL, Qwen3-VL,
+Qwen2-Audio, Qwen3-ASR) are
 chosen from the checkpoint's ``config.json``. Their encoders run at admission,
 in ``prepare``; the projected embeddings replace the prompt's media tokens, so a
 media request joins a running batch like any other. Under a visual-token pruner
@@ -17,7 +18,9 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
-from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
+from ifb_plugins.common.runtime.caps import (
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+)
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 log = logging.getLogger("ifb.vlm")
@@ -42,7 +45,8 @@ def pruner_ratio(config: DeployConfig) -> float | None:
 
 
 def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
-    options = text_options()
+    options = text_options(context_reuse=config.enable_context_reuse)
+    blocking_path_only(options, TEXT_PLUGIN_ONLY, "vlm")
     if pruner_ratio(config) is not None:
         options["media_under_pruner"] = OptionSupport(
             Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
@@ -67,7 +71,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.common.runtime.lora import LoraSet
+    from ifb_plugins.common.runtime.lora import lora_set
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
@@ -77,7 +81,7 @@ def load(config: DeployConfig):
     path = Path(config.model).expanduser()
     loaded = load_vlm(path)
     name = config.options.get("served_model_name") or path.name
-    lora = LoraSet(loaded.text_model, dict(config.options.get("lora_adapters") or {}))
+    lora = lora_set(loaded.text_model, config)
     ratio = pruner_ratio(config)
     log.info("loaded %s (%s; media: %s; visual-token pruner: %s)", name, loaded.family,
              ", ".join(loaded.encoders), f"keeps {ratio:g}" if ratio is not None else "off")
@@ -104,4 +108,4 @@ def ifb_deployment_kinds():
         # its own loader: the text plugin's quantization and KV cache settings are not read
         settings=TEXT_RUNTIME_SETTINGS | {PRUNER_OPTION, "allowed_local_media_path"},
         description="Hugging Face multimodal checkpoints: LLaVA (CLIP or SigLIP tower), SmolVLM / Idefics3, "
-                    "Qwen2-Audio; encoders at admission, a Llama-family decoder")]
+                    "Qwen2-Audio, Qwen3-ASR; encoders at admission, a Llama-family decoder")]

@@ -24,8 +24,8 @@ The interface a family implements:
   positions are the prompt positions). A family with multi-axis rotary
   positions (M-RoPE) returns ``[3, len(token_ids)]`` ids, the positions of its
   tokens relative to the span's first one; the runtime keeps them in
-  ``Prepared.extras["media_positions"]`` as ``[(first prompt index, ids)]``
-  (after pruning, which cuts their columns with the tokens) for the decoder.
+  the prepared state's ``MediaState.positions`` (from ``[(first prompt index, ids)]``
+  after pruning, which cuts their columns with the tokens) for the decoder.
 
 Register a family by adding its ``FAMILY`` to ``FAMILIES`` below; the
 runtime (``runtime.VlmRuntime``) needs nothing else from it.
@@ -41,14 +41,14 @@ from typing import Mapping
 
 import torch
 
-from ifb_plugins.vlm import idefics3, llava, qwen2_5_vl, qwen2_audio, qwen3_vl
+from ifb_plugins.vlm import idefics3, llava, qwen2_5_vl, qwen2_audio, qwen3_asr, qwen3_vl
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm, MediaEncoder
 
 __all__ = ["FAMILIES", "EncodedMedia", "Family", "LoadedVlm", "MediaEncoder", "family_for", "load_vlm"]
 
 #: every family the plugin serves
 FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY,
-                                qwen2_audio.FAMILY)
+                                qwen2_audio.FAMILY, qwen3_asr.FAMILY)
 
 
 def family_for(config: Mapping, families: tuple[Family, ...] = FAMILIES) -> Family:

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Protocol
 import attrs
 import torch
 
+from ifb.transcription import Transcript, Transcription
 from ifb_plugins.common.models.decoder import TextModel
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.common.media.parts import MediaItem
@@ -38,6 +39,16 @@ class MediaEncoder(Protocol):
     def encode(self, item: MediaItem) -> EncodedMedia: ...
 
 
+class TranscriptionFormat(Protocol):
+    """A model trained on its own transcription prompt: what follows the generation prompt, and how its
+    output reads as a transcript (``ifb.runtime.Runtime.read_transcript``)."""
+
+    def prompt_suffix(self, task: Transcription) -> str:
+        """The assistant turn's prefill for ``task``; InvalidRequest for a task the model cannot do."""
+
+    def read(self, text: str, is_final: bool) -> Transcript: ...
+
+
 @attrs.frozen
 class LoadedVlm:
     """What a family's loader returns: the decoder, the tokenizer and an encoder per modality."""
@@ -46,6 +57,8 @@ class LoadedVlm:
     text_model: TextModel = attrs.field(eq=False, repr=False)
     tokenizer: TextTokenizer = attrs.field(eq=False, repr=False)
     encoders: Mapping[str, MediaEncoder] = attrs.field(eq=False, repr=False)  # "image" / "audio" -> encoder
+    #: None: a transcription is the chat the route sends (an instruction in words)
+    transcription: TranscriptionFormat | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ import torch
 from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared, ScheduledStep, Seat
+from ifb.transcription import Transcript
 from ifb_plugins.common.runtime.lora import LoraSet
 from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
@@ -51,8 +52,10 @@ class VlmRuntime(TextRuntime):
                                     allowed_dir=self.allowed_media_dir,
                                     allow_hint="start the server with --allowed-local-media-path DIR")
             media = parsed.media
-            ids = self.tokenizer.encode(self._render(list(parsed.messages), spec.chat_template_kwargs),
-                                        add_special_tokens=False)
+            text = self._render(list(parsed.messages), spec.chat_template_kwargs)
+            if spec.transcription is not None and self.loaded.transcription is not None:
+                text += self.loaded.transcription.prompt_suffix(spec.transcription)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
             spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))
         prepared = super().prepare(spec)
         ids = list(prepared.prompt_token_ids)
@@ -63,6 +66,11 @@ class VlmRuntime(TextRuntime):
             return prepared
         return expand_media(prepared, found, media, self._span, max_model_len=self.max_model_len,
                             device=self.device, dtype=self.model.model.embed_tokens.weight.dtype)
+
+    def read_transcript(self, text: str, is_final: bool) -> Transcript:
+        """A transcription's output as its family reads it (the text itself for most)."""
+        transcription = self.loaded.transcription
+        return transcription.read(text, is_final) if transcription is not None else Transcript(text)
 
     def _span(self, item: MediaItem) -> MediaSpan:
         encoded = self.encode(item)

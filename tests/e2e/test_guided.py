@@ -65,8 +65,8 @@ def test_every_output_follows_the_json_schema(llm):
     for out in results:
         assert out.finish_reason == "stop", out.text
         assert schema_errors(json.loads(out.text)) == [], out.text
-    # submitted together, each guided request waited for the one in front of it (which runs alone)
-    assert llm.health()["scheduling"]["stalls_guided"] > before_stalls
+    # submitted together, the guided requests share the running batch: none waits for another
+    assert llm.health()["scheduling"]["stalls_guided"] == before_stalls
     num_tokens = stats.num_tokens - before_tokens
     print(f"\nguided: {len(results)} outputs, {num_tokens} tokens in {elapsed:.1f} s; mask + advance "
           f"{(stats.mask_ns + stats.advance_ns - before_ns) / num_tokens / 1e3:.0f} us per token; "

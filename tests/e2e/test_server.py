@@ -239,13 +239,20 @@ def test_full_engine_answers_429(ifb):
     assert statuses == [200] * QUEUE + [429] * 2
 
 
-def test_n_above_one_is_rejected_under_the_flag_and_served_by_default(ifb, default):
-    with pytest.raises(openai.BadRequestError) as info:
-        ifb.client().completions.create(model=model_id(ifb), prompt="Hi", max_tokens=2, n=2)
-    assert "blocking path" in info.value.body["message"]
-    result = default.client().completions.create(model=model_id(default), prompt="Hi", max_tokens=3, n=2,
+def test_n_above_one_is_served_on_both_paths_and_bounded_by_the_batch(ifb, default):
+    texts = {0: "", 1: ""}
+    for chunk in ifb.client().completions.create(model=model_id(ifb), prompt="Hi", max_tokens=4, n=2, seed=7,
+                                                 stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    result = default.client().completions.create(model=model_id(default), prompt="Hi", max_tokens=4, n=2,
                                                  seed=7)
     assert sorted(c.index for c in result.choices) == [0, 1]
+    # the same seeded streams, batched in flight or one after another
+    assert [c.text for c in sorted(result.choices, key=lambda c: c.index)] == [texts[0], texts[1]]
+    with pytest.raises(openai.BadRequestError) as info:
+        ifb.client().completions.create(model=model_id(ifb), prompt="Hi", max_tokens=2, n=BATCH + 1)
+    assert "more than the batch size" in info.value.body["message"] and info.value.body["param"] == "n"
 
 
 @pytest.mark.parametrize("body,param", [

@@ -308,3 +308,17 @@ def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: in
                     kv_dtype: torch.dtype | None = None) -> list[int]:
     """Greedy-decode ``n`` tokens after ``ids`` alone (a batch of one)."""
     return greedy_generate_batch(model, [ids], n, block_size, kv_dtype)[0]
+
+
+def build_on_blocks(loaded: Any, raw: Mapping[str, Any] | None = None, backend: str | None = None, *,
+                    activations: str = "int16", layer_stack: str = "torch") -> tuple[TextModel, Any]:
+    """``build_model(loaded)`` from ``quant.parts.BlockParts`` over ``raw`` (by default the file's own
+    tensors): ``(model, parts.report)``. ``layer_stack="torch"`` keeps the layer loop (its matmuls
+    and attention native all the same); ``"auto"``: the native decoder where the layers fit it."""
+    from ifb_plugins.common.loading.checkpoint import build_model
+    from ifb_plugins.common.loading.gguf import read_gguf_tensors
+    from ifb_plugins.common.quant.parts import BlockParts
+
+    parts = BlockParts(loaded.config, read_gguf_tensors(loaded.path) if raw is None else raw, loaded.state_dict,
+                       backend, activations=activations, deferred=loaded.deferred, layer_stack=layer_stack)
+    return build_model(loaded, parts=parts), parts.report

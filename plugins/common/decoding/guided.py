@@ -12,13 +12,17 @@ A request's ``extras["response_format"]`` takes one of these forms:
 
 ``compile`` turns a format into a validated grammar at submit time, so a bad schema,
 regex or grammar is an ``InvalidRequest`` naming the library's reason. The runtime keeps
-one matcher per request: at each sampling step ``mask_logits`` sets the logits of tokens
-the grammar forbids to -inf, and ``advance`` feeds the sampled token to the matcher. Once
-the grammar is complete and nothing but the end may follow, only EOS is left.
+one matcher per request, so guided and unguided rows share a step and each matcher
+advances on its own row: ``prefetch`` starts computing the step's masks (all guided rows
+at once, llguidance's executor, off the GIL) on a worker thread while the forward runs;
+``mask_logits`` sets the logits of tokens each row's grammar forbids to -inf, and
+``advance`` feeds the sampled token to the matcher. Once the grammar is complete and
+nothing but the end may follow, only EOS is left.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -181,7 +185,12 @@ class GuidedDecoder:
         self.stats = GuidedStats()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._bitmask: np.ndarray | None = None
+        #: computes a step's masks while the forward runs (None: on the executing thread, after it)
+        self.is_overlapped = True
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        #: the masks ``prefetch`` is computing: request id -> row of the bitmask batch
+        self._pending: tuple[concurrent.futures.Future, dict[str, int]] | None = None
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -219,27 +228,68 @@ class GuidedDecoder:
         admission)."""
         return getattr(seat.state, "grammar", None) is not None
 
+    def prefetch(self, seats: Sequence[Seat]) -> None:
+        """Start computing the next-token masks of ``seats`` (those that sample this step) that decode
+        under a grammar; ``mask_logits`` takes them. The history each matcher follows is known before
+        the forward, so the masks need not wait for it."""
+        guided = [seat for seat in seats if self.applies_to(seat)]
+        if not guided:
+            return
+        rows = {seat.request_id: i for i, seat in enumerate(guided)}
+        if not self.is_overlapped:
+            self._pending = (_done(self._compute(guided)), rows)
+            return
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ifb-guided")
+        self._pending = (self._worker.submit(self._compute, guided), rows)
+
+    def discard(self) -> None:
+        """Drop masks the step did not use (it failed): wait for them, so no matcher is touched later."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending[0]])
+
+    def _compute(self, seats: Sequence[Seat]) -> np.ndarray:
+        """The bitmasks ``[len(seats), words]`` of the tokens each seat's grammar allows next."""
+        start = time.perf_counter_ns()
+        words = (self.ll_tokenizer.vocab_size + 31) // 32
+        bitmask = np.zeros((len(seats), words), dtype=np.int32)
+        live = []
+        for i, seat in enumerate(seats):
+            state = self._matcher_for(seat)
+            if state.matcher.is_stopped():
+                # complete: nothing but the end may follow
+                for eos in self.tokenizer.eos_token_ids:
+                    bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+            else:
+                live.append((state.matcher, i))
+        if len(live) == 1:
+            matcher, i = live[0]
+            matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask[i].nbytes)
+        elif live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, bitmask[0].nbytes, len(seats))
+        self.stats.mask_ns += time.perf_counter_ns() - start
+        return bitmask
+
     def mask_logits(self, logits: torch.Tensor, rows: Sequence[tuple[int, Seat]]) -> None:
         """Set to -inf, in place, the logits each guided row's grammar forbids next.
 
-        ``rows`` pairs a row of ``logits`` with the sequence it samples for.
+        ``rows`` pairs a row of ``logits`` with the sequence it samples for; their masks are the ones
+        ``prefetch`` started (computed now for rows it did not cover).
         """
+        pending, self._pending = self._pending, None
+        bitmask, index = (pending[0].result(), pending[1]) if pending is not None else (None, {})
+        missing = [seat for _, seat in rows if seat.request_id not in index]
+        if missing:
+            bitmask, index = self._compute([seat for _, seat in rows]), {s.request_id: i for i, (_, s) in enumerate(rows)}
         start = time.perf_counter_ns()
-        words = (self.ll_tokenizer.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.size != words:
-            self._bitmask = np.zeros(words, dtype=np.int32)
-        bitmask = self._bitmask
         width = logits.shape[1]
-        for row, seq in rows:
-            state = self._matcher_for(seq)
-            if state.matcher.is_stopped():
-                # Complete: nothing but the end may follow.
-                forbidden = np.ones(width, dtype=np.bool_)
-                forbidden[[t for t in self.tokenizer.eos_token_ids if t < width]] = False
-            else:
-                state.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
-                # One bit per token, least significant first; inverted, so a set bit forbids.
-                forbidden = np.unpackbits(~bitmask.view(np.uint8), count=width, bitorder="little").view(np.bool_)
+        for row, seat in rows:
+            # one bit per token, least significant first; inverted, so a set bit forbids
+            bits = bitmask[index[seat.request_id]]
+            forbidden = np.unpackbits(~bits.view(np.uint8), count=width, bitorder="little").view(np.bool_)
             if logits.device.type == "cpu" and logits.dtype == torch.float32:
                 # numpy masks in one thread: torch's parallel masked_fill_ stalls on a busy CPU
                 np.copyto(logits[row].numpy(), -np.inf, where=forbidden)
@@ -280,3 +330,9 @@ class GuidedDecoder:
                 raise RuntimeError(f"guided decoding lost track of the grammar: {state.matcher.get_error()}")
             state.num_consumed += 1
         return state
+
+
+def _done(value) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future

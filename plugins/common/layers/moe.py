@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ifb_plugins.common.models.config import TextModelConfig
+
+if TYPE_CHECKING:
+    from ifb_plugins.common.models.parts import ModelParts
 
 
 class Experts(Protocol):
@@ -174,7 +177,7 @@ class UngatedExperts(nn.Module):
 
 
 class ExpertModules(nn.Module):
-    """Routed experts as per-expert projection modules (``quant`` builds them over GGUF blocks):
+    """Routed experts as per-expert projection modules (``quant.parts`` builds them over GGUF blocks):
     ``gate_up[e]`` gives gate then up ``[n, 2I]``, ``down[e]`` the output."""
 
     def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
@@ -191,14 +194,22 @@ class ExpertModules(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on SwiGLU expert (``quant`` may fuse gate and up into ``gate_up_proj``)."""
+    """Qwen2-MoE's always-on SwiGLU expert (gate and up fused into ``gate_up_proj`` where ``parts`` can)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, parts: ModelParts | None = None,
+                 prefix: str = "shared_expert") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up_proj: nn.Module | None = None
+        if parts is None:
+            from ifb_plugins.common.models.parts import ModelParts
+
+            parts = ModelParts()
+        i = intermediate
+        self.gate_up_proj = parts.fused(f"{prefix}.gate_up_proj", [(f"{prefix}.gate_proj", i), (f"{prefix}.up_proj", i)],
+                                        hidden, False)
+        if self.gate_up_proj is None:
+            self.gate_proj = parts.linear(f"{prefix}.gate_proj", hidden, i, False)
+            self.up_proj = parts.linear(f"{prefix}.up_proj", hidden, i, False)
+        self.down_proj = parts.linear(f"{prefix}.down_proj", i, hidden, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -208,22 +219,30 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The sparse MLP of one decoder layer: router, routed experts, optional gated shared expert."""
+    """The sparse MLP of one decoder layer: router, routed experts, optional gated shared expert.
 
-    def __init__(self, config: TextModelConfig) -> None:
+    ``parts`` (``models.parts``) picks the experts and the shared expert's projections; the
+    router and the shared expert's gate stay float32 ``nn.Linear`` (llama.cpp stores them so)."""
+
+    def __init__(self, config: TextModelConfig, parts: ModelParts | None = None, prefix: str = "mlp") -> None:
         super().__init__()
+        if parts is None:
+            from ifb_plugins.common.models.parts import ModelParts
+
+            parts = ModelParts()
         h = config.hidden_size
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.normalize = config.norm_topk_prob
         self.router = config.router
         self.gate = nn.Linear(h, config.num_experts, bias=False)
-        #: float32 ``ExpertWeights``, or any ``Experts`` (``quant`` puts ``ExpertModules`` on GGUF blocks here)
-        self.experts: nn.Module = ExpertWeights(config.num_experts, h, config.moe_intermediate_size)
+        #: float32 ``ExpertWeights``, or any ``Experts`` (``ExpertModules`` on GGUF blocks), as ``parts`` chose
+        self.experts: nn.Module = parts.experts(f"{prefix}.experts", config)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(h, config.shared_expert_intermediate_size)
+            self.shared_expert = SharedExpert(h, config.shared_expert_intermediate_size, parts,
+                                              f"{prefix}.shared_expert")
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

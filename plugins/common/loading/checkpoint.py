@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import attrs
 import torch
@@ -11,8 +11,11 @@ import torch
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.loading.gguf import read_gguf
 from ifb_plugins.common.loading.hf import load_hf_dir
-from ifb_plugins.common.models.decoder import TextModel, rope_inv_freq
+from ifb_plugins.common.models.decoder import TextModel
+from ifb_plugins.common.models.parts import ModelParts
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @attrs.frozen
@@ -25,7 +28,7 @@ class LoadedCheckpoint:
     source: Literal["gguf", "hf"]
     path: Path
     #: state-dict names left unread (``load_gguf(defer_quantized=True)``): fill what the model still
-    #: needs with ``gguf_loader.materialize`` once the quantized matrices are on blocks
+    #: needs with ``loading.gguf.materialize`` once it is built (its parts may have put them on blocks)
     deferred: frozenset[str] = frozenset()
 
 
@@ -49,19 +52,38 @@ def build_model(
     loaded: LoadedCheckpoint,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    parts: ModelParts | None = None,
 ) -> TextModel:
-    """Instantiate ``TextModel`` and load the weights strictly (missing or extra names raise)."""
-    state = dict(loaded.state_dict)
-    if loaded.config.tie_word_embeddings:
+    """Build ``TextModel(config, parts)`` and load the weights strictly (missing or extra names raise).
+
+    ``parts`` (``models.parts``; by default the float32 torch modules) picks every module as
+    the model is built; the weights its modules already hold (``parts.consumed``) are not loaded
+    again, the rest are loaded by name.
+    """
+    return load_weights(loaded.config, loaded.state_dict, lambda: TextModel(loaded.config, parts),
+                        parts, dtype=dtype, device=device)
+
+
+def load_weights(config: TextModelConfig, state_dict: dict[str, torch.Tensor], build: Callable[[], M],
+                 parts: ModelParts | None = None, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> M:
+    """``build()`` a model on the meta device, then adopt the checkpoint's tensors as its weights.
+
+    The modules ``parts`` built with their weights in place (GGUF blocks) keep them; every other
+    parameter and buffer takes the tensor of its name (``assign``: no copy), strictly.
+    """
+    state = dict(state_dict)
+    if config.tie_word_embeddings:
         # Some tied checkpoints still store a copy of the embedding as lm_head.
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = TextModel(loaded.config)
+        model = build()
+    consumed = parts.consumed if parts is not None else set()
+    built = {name: t for name, t in model.state_dict(keep_vars=True).items() if not t.is_meta}
+    # the checkpoint's floating tensors in ``dtype`` (as they are when they already are: no copy);
+    # what the parts built keeps its own dtypes (GGUF blocks, int4 scales in bfloat16)
+    state = {name: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+             for name, t in state.items() if name not in consumed}
     # assign=True adopts the loaded tensors instead of copying into meta placeholders.
-    model.load_state_dict(state, strict=True, assign=True)
-    # The RoPE buffer is not in the state dict (it was built on meta); it must also
-    # stay float32 whatever the model dtype, so it is set after the cast.
-    model.inv_freq = torch.empty(0)
-    model = model.to(device=device, dtype=dtype)
-    model.inv_freq = rope_inv_freq(loaded.config).to(device)
-    return model.eval()
+    model.load_state_dict({**state, **built}, strict=True, assign=True)
+    return model.to(device=device).eval()

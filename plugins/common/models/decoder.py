@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ifb_plugins.common.layers import triton_kernels
-from ifb_plugins.common.layers.attention import AttnMetadata, paged_attention, write_kv
+from ifb_plugins.common.layers.attention import AttnMetadata, write_kv
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.layers.moe import SparseMoE
 from ifb_plugins.common.layers.mrope import section_rows, select_sections
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from ifb_plugins.common.models.parts import KVCache, LayerStack, ModelParts
 
 
 def allocate_kv_cache(
@@ -47,10 +46,10 @@ def allocate_kv_cache(
     ]
 
 
-def rope_inv_freq(config: TextModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: TextModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse frequencies ``[D/2]`` for the config's theta and scaling (float32)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -60,7 +59,7 @@ def rope_inv_freq(config: TextModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if kind == "freq_factors":
         # llama.cpp stores llama3-style scaling as per-frequency divisors (rope_freqs.weight).
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device=inv_freq.device)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -128,23 +127,29 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention with RoPE (and Qwen3's per-head q/k norm) over the paged cache."""
+    """GQA self-attention with RoPE (and Qwen3's per-head q/k norm) over the paged cache.
 
-    def __init__(self, config: TextModelConfig) -> None:
+    ``parts`` (``models.parts``) picks the projections, Q/K/V fused into one
+    matmul (``qkv_proj``) where it can, and the attention kernel (``attention_impl``).
+    """
+
+    def __init__(self, config: TextModelConfig, parts: ModelParts | None = None, prefix: str = "self_attn") -> None:
         super().__init__()
+        parts = parts or ModelParts()
         self.config = config
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, config.q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.q_size, h, bias=config.attention_out_bias)
+        h, bias = config.hidden_size, config.attention_bias
+        sizes = (("q_proj", config.q_size), ("k_proj", config.kv_size), ("v_proj", config.kv_size))
+        #: q, k and v as one matmul (rows q | k | v), or None: ``q_proj``, ``k_proj`` and ``v_proj``
+        self.qkv_proj = parts.fused(f"{prefix}.qkv_proj", [(f"{prefix}.{p}", n) for p, n in sizes], h, bias)
+        if self.qkv_proj is None:
+            for p, n in sizes:
+                setattr(self, p, parts.linear(f"{prefix}.{p}", h, n, bias))
+        self.o_proj = parts.linear(f"{prefix}.o_proj", config.q_size, h, config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        #: q, k and v as one matmul (set by ``quant.quantize_model``), else None
-        self.qkv_proj: nn.Module | None = None
-        #: replaces ``attention.paged_attention`` (same signature) when set, e.g. by ``quant.use_native_attention``
-        self.attention_impl: Callable[..., torch.Tensor] | None = None
+        #: the paged attention kernel (``attention.paged_attention``'s signature)
+        self.attention_impl: Callable[..., torch.Tensor] = parts.attention(prefix)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata, kv_cache: KVCache
@@ -173,21 +178,25 @@ class Attention(nn.Module):
             q, k = _apply_rope_signed(q, cos, sin), _apply_rope_signed(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = (self.attention_impl or paged_attention)(q, k_cache, v_cache, attn)  # [T, Hq, D]
+        out = self.attention_impl(q, k_cache, v_cache, attn)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, c.q_size))  # [T, H]
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; gate and up fused into one matmul
+    (``gate_up_proj``) where ``parts`` can."""
 
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: TextModelConfig, parts: ModelParts | None = None, prefix: str = "mlp") -> None:
         super().__init__()
+        parts = parts or ModelParts()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
-        #: gate and up as one matmul (set by ``quant.quantize_model``), else None
-        self.gate_up_proj: nn.Module | None = None
+        #: gate and up as one matmul (rows gate | up), or None: ``gate_proj`` and ``up_proj``
+        self.gate_up_proj = parts.fused(f"{prefix}.gate_up_proj", [(f"{prefix}.gate_proj", i), (f"{prefix}.up_proj", i)],
+                                        h, bias)
+        if self.gate_up_proj is None:
+            self.gate_proj = parts.linear(f"{prefix}.gate_proj", h, i, bias)
+            self.up_proj = parts.linear(f"{prefix}.up_proj", h, i, bias)
+        self.down_proj = parts.linear(f"{prefix}.down_proj", i, h, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -199,10 +208,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP (a ``SparseMoE`` where the config makes layer ``layer_idx`` sparse)."""
 
-    def __init__(self, config: TextModelConfig, layer_idx: int = 0) -> None:
+    def __init__(self, config: TextModelConfig, layer_idx: int = 0, parts: ModelParts | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = SparseMoE(config) if config.is_sparse_layer(layer_idx) else MLP(config)
+        parts = parts or ModelParts()
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = Attention(config, parts, f"{prefix}.self_attn")
+        self.mlp = (SparseMoE(config, parts, f"{prefix}.mlp") if config.is_sparse_layer(layer_idx)
+                    else MLP(config, parts, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -216,35 +228,38 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: TextModelConfig, parts: ModelParts | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        parts = parts or ModelParts()
+        self.embed_tokens = parts.embedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, parts) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class TextModel(nn.Module):
     """A Llama-family causal LM whose forward is one paged, ragged engine step."""
 
-    def __init__(self, config: TextModelConfig) -> None:
+    def __init__(self, config: TextModelConfig, parts: ModelParts | None = None) -> None:
+        """Build the model from ``parts`` (``models.parts``; by default the float32 torch modules)."""
         super().__init__()
+        parts = parts or ModelParts()
         self.config = config
-        self.model = Decoder(config)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Not persistent: it is derived from the config, never read from a checkpoint.
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        #: the output head when it is not a plain matmul (``quant``), else None
-        self.head: nn.Module | None = None
-        #: runs the whole layer stack, ``(x, cos, sin, attn, kv_caches) -> x``, when set
-        #: (``native_decoder.use_native_decoder``); None: the layers' own forwards
-        self.decoder_impl: Callable[..., torch.Tensor] | None = None
+        self.model = Decoder(config, parts)
+        lm_head = parts.lm_head(config)
+        if lm_head is not None:
+            self.lm_head = lm_head
+        #: the output head when it is not the float32 matmul (GGUF blocks, torch's int4), else None
+        self.head: nn.Module | None = parts.head(config, self.model.embed_tokens, lm_head)
+        #: what runs the layers each step, ``(x, cos, sin, attn, kv_caches) -> x`` (``models.parts.LayerStack``)
+        self.layer_stack: LayerStack = parts.layer_stack(self.model.layers, config)
+        # Not persistent: it is derived from the config, never read from a checkpoint; on the host
+        # even while the model is built on the meta device (``rotary`` re-derives it after a cast).
+        self.register_buffer("inv_freq", rope_inv_freq(config, device="cpu"), persistent=False)
         # cos / signed sin per position, grown on demand; rebuilt if inv_freq is replaced
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # M-RoPE: the position row (0-2) of each rotary column, for ``positions [3, T]``
         self._mrope_rows = (section_rows(config.mrope_section, config.head_dim, config.mrope_interleaved)
                             if config.mrope_section else None)
-
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype,
                num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and signed ``sin`` ``[T, 1, D]`` at ``positions [T]`` (or ``[3, T]``, M-RoPE), all below ``num_positions``."""
@@ -285,17 +300,12 @@ class TextModel(nn.Module):
         x = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds  # [T, H]
         # M-RoPE ids of a pruned image may pass its context index: read their bound from the ids
         cos, sin = self.rotary(positions, x.dtype, max(attn.seq_lens_host) if positions.dim() == 1 else None)
-        if self.decoder_impl is not None:
-            x = self.decoder_impl(x, cos, sin, attn, kv_caches)
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x = layer(x, cos, sin, attn, kv_cache)
-        return self.model.norm(x)
+        return self.model.norm(self.layer_stack(x, cos, sin, attn, kv_caches))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states ``[N, H]`` to float32 logits ``[N, V]``."""
         if self.head is not None:
             return self.head(hidden)
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = self.lm_head.weight if hasattr(self, "lm_head") else self.model.embed_tokens.weight
         return F.linear(hidden, weight).float()
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from ifb_plugins.common.layers.attention import AttnMetadata
 from ifb_plugins.common.models.config import TextModelConfig
-from ifb_plugins.common.models.decoder import KVCache, TextModel, rope_inv_freq
+from ifb_plugins.common.models.decoder import KVCache, TextModel
+from ifb_plugins.common.models.parts import ModelParts
 
 
 class PaddedEmbedding(nn.Embedding):
@@ -33,16 +34,29 @@ class PaddedEmbedding(nn.Embedding):
         return F.pad(super().forward(ids), (0, self.extra))
 
 
+class DeepStackParts(ModelParts):
+    """The float32 parts with the token embedding zero-padded to an image row's width."""
+
+    def __init__(self, num_deepstack: int) -> None:
+        super().__init__()
+        self.num_deepstack = num_deepstack
+
+    def embedding(self, config: TextModelConfig) -> nn.Module:
+        return PaddedEmbedding(config.vocab_size, config.hidden_size, self.num_deepstack * config.hidden_size)
+
+
 class DeepStackTextModel(TextModel):
-    """The shared decoder, adding DeepStack feature ``i`` to the hidden states after layer ``i``."""
+    """The shared decoder, adding DeepStack feature ``i`` to the hidden states after layer ``i``.
+
+    Its forward runs the layers itself (the features enter between them), so it is built
+    from ``DeepStackParts``, whose layer stack is the layer loop.
+    """
 
     def __init__(self, config: TextModelConfig, num_deepstack: int) -> None:
-        super().__init__(config)
         if num_deepstack > config.num_layers:
             raise ValueError(f"{num_deepstack} DeepStack layers for a decoder of {config.num_layers}")
+        super().__init__(config, DeepStackParts(num_deepstack))
         self.num_deepstack = num_deepstack
-        self.model.embed_tokens = PaddedEmbedding(config.vocab_size, config.hidden_size,
-                                                  num_deepstack * config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
                 kv_caches: list[KVCache], input_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,14 +75,7 @@ class DeepStackTextModel(TextModel):
 
 def build_text_model(config: TextModelConfig, num_deepstack: int, state: dict[str, torch.Tensor],
                      device: torch.device) -> DeepStackTextModel:
-    """``common.loader.build_model`` for the DeepStack decoder: strict, float32."""
-    state = dict(state)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = DeepStackTextModel(config, num_deepstack)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = torch.empty(0)
-    model = model.to(device=device, dtype=torch.float32)
-    model.inv_freq = rope_inv_freq(config).to(device)  # derived, never read from the checkpoint
-    return model.eval()
+    """``loading.checkpoint.build_model`` for the DeepStack decoder: strict, float32."""
+    from ifb_plugins.common.loading.checkpoint import load_weights
+
+    return load_weights(config, state, lambda: DeepStackTextModel(config, num_deepstack), device=device)

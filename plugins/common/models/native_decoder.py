@@ -8,11 +8,14 @@ and gate/up matmuls, RoPE, KV-cache writes, paged attention and residual adds,
 with the same per-row arithmetic as the per-module path, so a row's result
 still does not depend on its batch mates or on how its prompt was chunked.
 
-``use_native_decoder`` installs it as ``TextModel.decoder_impl`` when the model
-fits: every projection on ``BlockLinear`` (Q, K and V fused, or, when their block
-types differ as in llama.cpp's ``Q4_K_M``, three parts written into the columns
-of one row), float32 norms, and (checked per step) contiguous float32 or float16
-KV caches.
+It is one ``models.parts.LayerStack``, beside the layer loop
+(``TorchLayerStack``): ``quant.parts.BlockParts`` picks it as the model is built
+when the layers fit (``fits_native_decoder``): every projection on
+``BlockLinear`` (Q, K and V fused, or, when their block types differ as in
+llama.cpp's ``Q4_K_M``, three parts written into the columns of one row), no
+mixture-of-experts layer; it reads the very modules the layer loop would run.
+Its weights are bound at the first step (after ``build_model`` loaded them):
+float32 norms, and (checked per step) contiguous float32 or float16 KV caches.
 
 The parameter structs are defined once, in ``csrc/decoder_params.h``: the C
 structs are generated from its field lists, the ctypes mirror here is built
@@ -30,6 +33,8 @@ import torch
 from torch import nn
 
 from ifb_plugins.common.layers.attention import AttnMetadata
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.decoder import MLP, Attention, DecoderLayer
 from ifb_plugins.common.quant.kernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata, sources
 from ifb_plugins.common.quant.linear import BlockLinear
 
@@ -139,34 +144,48 @@ def _qkv_parts(attn: nn.Module) -> tuple[nn.Module | None, ...]:
     return tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
 
 
-def _fits(model: nn.Module) -> bool:
-    for layer in model.model.layers:
+def fits_native_decoder(layers: Sequence[nn.Module], config: TextModelConfig) -> bool:
+    """Whether ``NativeDecoder`` computes what ``layers`` compute: ``decoder.DecoderLayer``'s own
+    attention and MLP (a subclass may compute something else; a mixture-of-experts layer,
+    ``moe.SparseMoE``, runs layer by layer) with every projection a ``BlockLinear``."""
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        # a mixture-of-experts layer (moe.SparseMoE) has neither: it runs layer by layer
+        if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, MLP):
+            return False
         modules = (*_qkv_parts(attn), attn.o_proj, getattr(mlp, "gate_up_proj", None),
                    getattr(mlp, "down_proj", None))
         if not all(isinstance(m, BlockLinear) for m in modules):
             return False
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if model.config.qk_norm:
-            norms += [attn.q_norm, attn.k_norm]
-        if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
-            return False
-    return True
+    return bool(layers)
 
 
 class NativeDecoder:
-    """``TextModel.decoder_impl``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack."""
+    """A ``models.parts.LayerStack``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack in one call."""
 
-    def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+    def __init__(self, layers: nn.ModuleList, config: TextModelConfig, kernels: Kernels) -> None:
+        if not fits_native_decoder(layers, config):
+            raise ValueError("the native decoder runs layers whose every projection is a BlockLinear")
         check_layout(kernels)
-        c = model.config
+        self.config = config
+        self.layers = layers  # the model's own modules: the weights the pointers point into
         self._forward = kernels.lib.ifb_decoder_forward
         self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]
         self._forward.restype = ctypes.c_int
+        self._decoder: object | None = None  # bound at the first step, once the weights are loaded
+        self._caches: tuple[tuple[int, ...], object, object, int] | None = None
+
+    def _bind(self) -> object:
+        """The parameter structs over the layers' weights (float32 norms)."""
+        c = self.config
         layers = []
-        for layer in model.model.layers:
+        for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if c.qk_norm:
+                norms += [attn.q_norm, attn.k_norm]
+            if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() and not n.weight.is_meta
+                       for n in norms):
+                raise ValueError("the native decoder needs loaded, contiguous float32 norm weights")
             layers.append(_Layer(
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 attn.q_norm.weight.data_ptr() if c.qk_norm else None,
@@ -176,14 +195,16 @@ class NativeDecoder:
         self._layers = (_Layer * len(layers))(*layers)
         self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                                  c.head_dim, c.rms_norm_eps, self._layers)
-        self._model = model  # keeps the weights the pointers above point into alive
-        self._caches: tuple[tuple[int, ...], object, object, int] | None = None
+        return self._decoder
+
+    def __repr__(self) -> str:
+        return f"NativeDecoder({len(self.layers)} layers)"
 
     def _cache_arrays(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[object, object, int]:
         """The caches' pointer arrays and whether they hold float16 (checked once per set of caches)."""
         ptrs = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._caches is None or self._caches[0] != ptrs:
-            c = self._model.config
+            c = self.config
             shape = (c.num_kv_heads, c.head_dim)
             dtype = kv_caches[0][0].dtype
             for k, v in kv_caches:
@@ -198,9 +219,10 @@ class NativeDecoder:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        t, d = x.shape[0], self._decoder.d
-        if len(kv_caches) != self._decoder.num_layers:
-            raise ValueError(f"{len(kv_caches)} KV caches for {self._decoder.num_layers} layers")
+        decoder = self._bind() if self._decoder is None else self._decoder
+        t, d = x.shape[0], decoder.d
+        if len(kv_caches) != decoder.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {decoder.num_layers} layers")
         # TextModel.rotary hands out cos / sin as views of one [T, 2, D] table; rebuild it otherwise.
         if cos.dtype == torch.float32 and cos.stride(0) == 2 * d and sin.data_ptr() == cos.data_ptr() + 4 * d:
             rope, keep = cos.data_ptr(), None
@@ -215,15 +237,8 @@ class NativeDecoder:
         out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
         step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
                      lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half)
-        if self._forward(ctypes.byref(self._decoder), ctypes.byref(step), out.data_ptr()) != 0:
+        if self._forward(ctypes.byref(decoder), ctypes.byref(step), out.data_ptr()) != 0:
             raise MemoryError("the native decoder could not allocate its work buffers")
         del keep
         return out
 
-
-def use_native_decoder(model: nn.Module, kernels: Kernels) -> bool:
-    """Install ``NativeDecoder`` as ``model.decoder_impl`` when every layer fits; returns whether it did."""
-    if not _fits(model):
-        return False
-    model.decoder_impl = NativeDecoder(model, kernels)
-    return True

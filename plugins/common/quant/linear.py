@@ -2,8 +2,9 @@
 
 A decode step reads every weight once, so on a CPU its speed is set by the
 bytes it streams: the default model's 4-bit blocks are about a sixth of its
-float32 weights. ``quantize_model`` swaps a loaded ``TextModel``'s projections
-(and its output head) for modules that multiply the GGUF blocks directly:
+float32 weights. These modules multiply the GGUF blocks directly
+(``quant.parts.BlockParts`` picks them for a ``TextModel``'s projections and
+output head as the model is built):
 
 - ``BlockLinear`` (the default): the native kernels of ``qkernels``. By
   default each input row is quantized per block of 32 to codes of about 15
@@ -35,17 +36,17 @@ matmuls of their own (``moe.ExpertModules``), cut from llama.cpp's stacked
 the rows routed to an expert and multiplies them in one call. The router stays
 in float32.
 
-Q/K/V and gate/up are fused into one matmul each (their rows are concatenated;
-``gguf_loader`` has already put llama.cpp's permuted Q/K rows back in order,
-and rows move whole, so the blocks are untouched). Both backends compute a row
-of the output independently of the other rows in the call, so batched greedy
-output stays identical to solo output.
+Q/K/V and gate/up are fused into one matmul each where their types agree (their
+rows are concatenated, ``concat``; the GGUF loader has already put llama.cpp's
+permuted Q/K rows back in order, and rows move whole, so the blocks are
+untouched). Both backends compute a row of the output independently of the
+other rows in the call, so batched greedy output stays identical to solo output.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Literal, Mapping
+from typing import Iterable, Literal
 
 import attrs
 import gguf
@@ -55,7 +56,6 @@ from torch import nn
 
 from ifb_plugins.common.quant import kernels as qkernels, blocks as quant_blocks, int4_torch as quant_torch
 from ifb_plugins.common.loading.gguf import GGUFTensor
-from ifb_plugins.common.layers.moe import ExpertModules, SparseMoE
 
 log = logging.getLogger("ifb.text")
 
@@ -339,7 +339,7 @@ class HeadEmbedding(nn.Module):
 
 @attrs.frozen
 class QuantizationReport:
-    """What ``quantize_model`` did, for the load log."""
+    """What ``quant.parts.BlockParts`` put on blocks, for the load log."""
 
     backend: Backend | None
     num_quantized: int
@@ -373,171 +373,3 @@ def choose_backend() -> Backend | None:
         return "torch-int4"
     log.warning("no quantized matmul is available here: running the GGUF in float32")
     return None
-
-
-class _Swapper:
-    """Builds the replacement module for one projection, or says why not (None)."""
-
-    def __init__(self, backend: Backend, raw: Mapping[str, GGUFTensor], activations: qkernels.Activations) -> None:
-        self.backend = backend
-        self.raw = raw
-        self.activations = activations
-        self.kernels = qkernels.load() if backend == "native" else None
-        if backend == "native" and self.kernels is None:
-            raise RuntimeError("the native GGUF kernels cannot be built here (see the warning above)")
-        #: projections put on ``BlockTorchLinear``
-        self.num_torch = 0
-        #: K-quant and Q5_0 matrices go on the interleaved kernels (integer activations only)
-        self.native_kquants = self.kernels is not None and activations in ("int16", "int8")
-
-    def weight(self, name: str) -> BlockWeight | None:
-        tensor = self.raw.get(f"{name}.weight")
-        block = None if tensor is None else read_blocks(tensor, STORED)
-        if block is not None and self.backend == "torch-int4" and block.qtype == Q.Q8_0:
-            return None  # no int4 kernel for it, and torch's integer path would be slower than float32
-        if block is not None and block.qtype == Q.Q5_0 and self.native_kquants:
-            return q5_0_as_q8_0(block)  # exact: the interleaved Q8_0 kernels, and fused with Q8_0 parts
-        return block
-
-    def expert_weights(self, name: str) -> list[BlockWeight] | None:
-        """A stacked expert tensor ``[E, N, K]`` as one ``BlockWeight`` per expert, or None."""
-        tensor = self.raw.get(f"{name}.weight")
-        experts = None if tensor is None else read_expert_blocks(tensor)
-        if experts is not None and self.backend == "torch-int4" and experts[0].bits != 4:
-            return None
-        return experts
-
-    def module(self, weight: BlockWeight, bias: torch.Tensor | None, num_parts: int = 1) -> nn.Module:
-        if self.kernels is not None and weight.qtype in KINDS and (KINDS[weight.qtype] < 3 or self.native_kquants):
-            return BlockLinear(weight, bias, self.kernels, activations=self.activations)
-        if (self.kernels is not None and int(weight.qtype) in qkernels.STORED_TYPES
-                and self.activations in ("int16", "int8")):
-            return StoredBlockLinear(weight, bias, self.kernels, activations=self.activations)
-        if self.kernels is None and weight.qtype in (Q.Q4_0, Q.Q4_1):
-            return quant_torch.Int4Linear(weight.to_int4pack(), bias)
-        self.num_torch += num_parts
-        activations = self.activations if self.kernels is not None else "int16"
-        return quant_torch.BlockTorchLinear(weight.qtype, weight.blocks, weight.in_features, bias,
-                                            activations=activations)
-
-
-def _fused_bias(modules: list[nn.Linear]) -> torch.Tensor | None:
-    if all(m.bias is None for m in modules):
-        return None
-    return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in modules])
-
-
-def _swap_projections(owner: nn.Module, prefix: str, fused: str, parts: tuple[str, ...], singles: tuple[str, ...],
-                      swap: _Swapper) -> tuple[int, int]:
-    """Put ``owner``'s projections on blocks: ``parts`` fused into ``fused`` when all share one type."""
-    done = kept = 0
-    weights = [swap.weight(f"{prefix}.{p}") for p in parts]
-    modules = [getattr(owner, p) for p in parts]
-    if all(w is not None for w in weights) and len({w.qtype for w in weights}) == 1:  # type: ignore[union-attr]
-        setattr(owner, fused, swap.module(concat(weights), _fused_bias(modules), len(parts)))  # type: ignore[arg-type]
-        for p in parts:
-            delattr(owner, p)
-        done += len(parts)
-    else:
-        for p, w, m in zip(parts, weights, modules):
-            if w is not None:
-                setattr(owner, p, swap.module(w, m.bias))
-        done += sum(w is not None for w in weights)
-        kept += sum(w is None for w in weights)
-    for name in singles:
-        w = swap.weight(f"{prefix}.{name}")
-        if w is None:
-            kept += 1
-        else:
-            setattr(owner, name, swap.module(w, getattr(owner, name).bias))
-            done += 1
-    return done, kept
-
-
-def _swap_mlp(mlp: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
-    return _swap_projections(mlp, prefix, "gate_up_proj", ("gate_proj", "up_proj"), ("down_proj",), swap)
-
-
-def _swap_experts(moe: SparseMoE, prefix: str, swap: _Swapper) -> tuple[int, int]:
-    """The routed experts onto per-expert block matmuls (each stacked tensor counts as one projection);
-    the router stays in float32 (llama.cpp stores it so)."""
-    done = kept = 0
-    if moe.shared_expert is not None:
-        done, kept = _swap_mlp(moe.shared_expert, f"{prefix}.shared_expert", swap)
-    stacked = [swap.expert_weights(f"{prefix}.experts.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
-    if any(s is None for s in stacked) or len({w.qtype for w in stacked[0] + stacked[1]}) != 1:  # type: ignore[operator]
-        return done, kept + 3
-    gate, up, down = stacked
-    moe.experts = ExpertModules([swap.module(concat([g, u]), None) for g, u in zip(gate, up)],  # type: ignore[arg-type]
-                                [swap.module(d, None) for d in down])  # type: ignore[union-attr]
-    return done + 3, kept
-
-
-def _swap_layer(layer: nn.Module, prefix: str, swap: _Swapper) -> tuple[int, int]:
-    done, kept = _swap_projections(layer.self_attn, f"{prefix}.self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"),
-                                   ("o_proj",), swap)
-    if isinstance(layer.mlp, SparseMoE):
-        a, b = _swap_experts(layer.mlp, f"{prefix}.mlp", swap)
-    else:
-        a, b = _swap_mlp(layer.mlp, f"{prefix}.mlp", swap)
-    return done + a, kept + b
-
-
-def quantize_model(model: nn.Module, raw_tensors: Mapping[str, GGUFTensor], backend: Backend | None = None,
-                   *, activations: qkernels.Activations = "int16") -> QuantizationReport:
-    """Swap a loaded ``TextModel``'s quantized GGUF projections for block matmuls (in place).
-
-    ``raw_tensors`` is ``gguf_loader.read_gguf_tensors(path)``; ``backend``
-    defaults to ``choose_backend()``; ``activations`` applies to the native one
-    (``BlockLinear``). Projections stored in other types keep
-    their float32 ``nn.Linear``. The output head moves to blocks as well when
-    any projection did: read as stored with the native kernels, re-quantized
-    to 4 bits with exact re-scoring of the top rows with torch's.
-    """
-    backend = backend or choose_backend()
-    if backend is None:
-        return QuantizationReport(None, 0, 0, "float32")
-    swap = _Swapper(backend, raw_tensors, activations)
-    done = kept = 0
-    for i, layer in enumerate(model.model.layers):
-        a, b = _swap_layer(layer, f"model.layers.{i}", swap)
-        done, kept = done + a, kept + b
-    head = "float32"
-    embedding, in_head = None, False
-    num_torch = swap.num_torch
-    if done:
-        tied = model.config.tie_word_embeddings
-        name = "model.embed_tokens" if tied else "lm_head"
-        tensor = raw_tensors.get(f"{name}.weight")
-        block = None if tensor is None else read_blocks(tensor, STORED)
-        if backend == "native" and block is not None:
-            model.head = swap.module(block, None)
-            if not tied:  # its float32 matrix is never read again (nor, deferred, read at all)
-                model.lm_head = None
-            where = " in torch" if swap.num_torch > num_torch else ""
-            head = f"on GGUF blocks ({tensor.ggml_type.name}{where})"  # type: ignore[union-attr]
-            if tied and isinstance(model.head, BlockLinear):
-                model.model.embed_tokens = HeadEmbedding(model.head)
-                embedding, in_head = model.head.qtype.name, True
-            else:
-                table = raw_tensors.get("model.embed_tokens.weight")
-                rows = None if table is None else read_blocks(table, STORED)
-                if rows is not None:
-                    model.model.embed_tokens = BlockEmbedding(rows)
-                    embedding = rows.qtype.name
-        elif backend == "torch-int4":
-            weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
-            model.head = quant_torch.RescoredHead(weight.detach())
-            head = f"4-bit with the top {model.head.num_rescored} re-scored in float32"
-    return QuantizationReport(backend, done, kept, head, "bfloat16" if backend == "torch-int4" else activations,
-                              num_torch, embedding, in_head)
-
-
-def use_native_attention(model: nn.Module, kernels: qkernels.Kernels) -> None:
-    """Run every layer's attention on the native kernel (float32 or float16 KV caches).
-
-    Each query row is computed on its own there, so a token's attention output
-    is the same in a decode step, a batch, or any prefill chunk.
-    """
-    for layer in model.model.layers:
-        layer.self_attn.attention_impl = kernels.paged_attention

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ifb.capabilities import EndpointSupport, OptionSupport, RequestOption, Support
-from ifb.options import BLOCKING
 
 #: the runtime has no fixed batch dimension; this bounds the seat count it accepts
 MAX_BUILT_BATCH = 256
 
 #: the ``DeployConfig.options`` every deployment on ``TextRuntime`` reads (its loader: the name and
 #: adapters; the runtime: the context limit); a plugin's loader adds its own
-TEXT_RUNTIME_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_model_len"})
+TEXT_RUNTIME_SETTINGS = frozenset({"served_model_name", "lora_adapters", "max_loras", "max_lora_rank",
+                                   "max_model_len"})
 
 #: ``save_system_prompt_kv_cache``, the legacy capture of ``syscache`` (registered by the text plugin)
 SYSTEM_PROMPT_CAPTURE = RequestOption(
@@ -24,24 +24,46 @@ SYSTEM_PROMPT_CAPTURE = RequestOption(
 TEXT_ENDPOINTS = {"completions": EndpointSupport.SERVED, "chat.completions": EndpointSupport.SERVED}
 
 
-def text_options() -> dict[str, OptionSupport]:
-    """Per-request option support of ``TextRuntime`` under in-flight batching."""
+#: why the legacy capture needs the context cache under in-flight batching
+CAPTURE_NEEDS_CONTEXT_CACHE = OptionSupport(
+    Support.REJECTED, reason="The capture publishes the system prompt into the context cache, which is off.",
+    alternative="Serve with --enable-context-reuse (or warm the prompt up with --warmup-prompt); or use the "
+                "blocking path.")
+
+
+def blocking_path_only(options: dict[str, OptionSupport], names: tuple[str, ...], plugin: str) -> None:
+    """Declare ``names`` rejected under in-flight batching (served on the blocking path), in place: what a
+    plugin on ``TextRuntime`` has not yet proven under in-flight batching with its own models."""
+    for name in names:
+        options[name] = OptionSupport(
+            Support.REJECTED, reason=f"Not yet verified under in-flight batching for the {plugin} plugin's models.",
+            alternative="Use the blocking path (serve without --enable-in-flight-batching).")
+
+
+#: the options the text plugin's tests prove under in-flight batching that other plugins on the runtime do not yet
+TEXT_PLUGIN_ONLY = ("lora", "n_sequences", "save_system_prompt_kv_cache")
+
+
+def text_options(*, context_reuse: bool = False) -> dict[str, OptionSupport]:
+    """Per-request option support of ``TextRuntime`` under in-flight batching (``context_reuse``: the context
+    cache is on, ``--enable-context-reuse``)."""
     return {
         # sampling is per sequence in the batch (plugins/common/decoding/sampling.py)
         "differing_sampling": OptionSupport(Support.SERVED, reason="Sampling is per sequence."),
         "lora": OptionSupport(
-            Support.REJECTED, reason="Adapter weights are engine-wide under in-flight batching.",
-            alternative=f"{BLOCKING} Adapters are registered by name at start-up (--lora NAME=DIR)."),
+            Support.SERVED, reason="Each row applies its own adapter: rows are grouped by adapter, base rows "
+                                   "untouched (--lora NAME=DIR, --max-loras, --max-lora-rank)."),
         "n_sequences": OptionSupport(
-            Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING),
+            Support.SERVED, reason="One prefill; the n sequences share the prompt's KV blocks (copy on write of "
+                                   "the last) and each samples its own stream; n is at most the batch size."),
         "save_system_prompt_kv_cache": OptionSupport(
-            Support.REJECTED, reason="The capture runs only in the founding prefill path.", alternative=BLOCKING),
+            Support.SERVED, reason="The capture publishes the system prompt into the context cache and later "
+                                   "requests lease it.")
+        if context_reuse else CAPTURE_NEEDS_CONTEXT_CACHE,
         "guided_decoding": OptionSupport(
-            Support.RUNS_ALONE,
-            reason="Guided matchers are kept per request and the engine runs a guided request alone.",
-            stall_counter="stalls_guided"),
+            Support.SERVED, reason="Each request's matcher advances on its own row; the step's masks are computed "
+                                   "while the forward runs."),
         "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only."),
         "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason="Text output only."),
         "past_trajectory": OptionSupport(Support.NOT_APPLICABLE, reason="No trajectory execution is built."),
     }
-

@@ -1,10 +1,14 @@
-"""The legacy system-prompt KV capture, served on the blocking path.
+"""The legacy system-prompt KV capture.
 
-A request with ``save_system_prompt_kv_cache`` has its system prompt prefilled
-once into pinned blocks when it takes its seat (``match``, before its first
-step); it and later requests on the blocking path whose prompt starts with a
-captured prefix lease those blocks instead of recomputing them. Under
-in-flight batching the option is rejected: the context cache covers it.
+A request with ``save_system_prompt_kv_cache`` has its system prompt's KV kept
+for later requests that start with it. On the blocking path (``SystemPromptCache``)
+the system prompt is prefilled once into pinned blocks when the request takes
+its seat (``match``, before its first step); it and later requests whose prompt
+starts with a captured prefix lease those blocks instead of recomputing them.
+Under in-flight batching the context cache does it: the request's prepared
+``num_pinned_tokens`` (``system_prefix_length``) makes the cache keep the
+prefix's blocks once they are computed; without the context cache the option
+is rejected.
 """
 
 from __future__ import annotations
@@ -12,6 +16,20 @@ from __future__ import annotations
 from ifb.kv import BlockManager
 from ifb.params import RequestSpec
 from ifb.request import Request
+
+
+def system_prefix_length(tokenizer, spec: RequestSpec, prompt_ids: list[int]) -> int:
+    """How many leading prompt tokens are the request's system message(s) (a plain prompt: all but the last)."""
+    if spec.messages:
+        system = [m for m in spec.messages if m.get("role") == "system"]
+        rendered = tokenizer.apply_chat_template(system, add_generation_prompt=False) if system else ""
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+    else:
+        ids = list(prompt_ids[:-1])  # a plain prompt: everything but the token that is sampled from
+    n = 0
+    while n < len(ids) and n < len(prompt_ids) - 1 and ids[n] == prompt_ids[n]:
+        n += 1
+    return n
 
 
 class SystemPromptCache:
@@ -23,15 +41,7 @@ class SystemPromptCache:
 
     def system_prefix(self, spec: RequestSpec, prompt_ids: list[int]) -> list[int]:
         """The block-aligned token prefix covered by the request's system message(s)."""
-        if spec.messages:
-            system = [m for m in spec.messages if m.get("role") == "system"]
-            rendered = self.runtime.tokenizer.apply_chat_template(system, add_generation_prompt=False) if system else ""
-            ids = self.runtime.tokenizer.encode(rendered, add_special_tokens=False)
-        else:
-            ids = list(prompt_ids[:-1])  # a plain prompt: everything but the token that is sampled from
-        n = 0
-        while n < len(ids) and n < len(prompt_ids) - 1 and ids[n] == prompt_ids[n]:
-            n += 1
+        n = system_prefix_length(self.runtime.tokenizer, spec, prompt_ids)
         n -= n % self.blocks.block_size
         return list(prompt_ids[:n])
 

@@ -4,11 +4,12 @@
 forward over the paged KV cache, then samples per sequence. What ``prepare``
 decides for a request (its grammar, LoRA adapter, media, system-prompt capture)
 is a typed ``TextRequestState``; it reaches the runtime once, when the request
-takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. On the
-blocking path, where requests run one at a time, the runtime serves what
-in-flight batching rejects: a request's LoRA adapter is active for its steps,
-and its system prompt is captured by ``blocking_prefix`` (n > 1 the engine fans
-out itself).
+takes a seat, and stays in the runtime's ``SeatTable`` until it leaves. Within
+one step each row has its own sampling parameters, its own grammar (the masks
+are computed while the forward runs) and its own adapter (rows grouped by
+adapter, ``lora``); the blocks n > 1 sequences fork are copied before the
+forward. On the blocking path the system prompt is captured by
+``blocking_prefix``; under in-flight batching the context cache does it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, StepOutput
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
-from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.lora import LoraAdapter, LoraSet, step_groups
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
 from ifb_plugins.common.decoding.sampling import sample_step
-from ifb_plugins.common.runtime.syscache import SystemPromptCache
+from ifb_plugins.common.runtime.syscache import SystemPromptCache, system_prefix_length
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
 log = logging.getLogger("ifb.text")
@@ -95,8 +96,8 @@ class TextRequestState:
     """What ``TextRuntime.prepare`` decided for one request (``Prepared.state``)."""
 
     grammar: GuidedGrammar | None = None
-    #: the LoRA adapter active for the request's steps (the blocking path)
-    lora: str | None = None
+    #: the LoRA adapter applied to the request's rows (held, so an unloaded adapter serves it to its end)
+    lora: LoraAdapter | None = attrs.field(default=None, eq=False)
     #: ``save_system_prompt_kv_cache``: capture the system prompt before the request's first step
     is_capturing_system_prompt: bool = False
     media: MediaState | None = None
@@ -146,15 +147,17 @@ class TextRuntime:
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
         ids = prompt_token_ids(self.tokenizer, self.vocab_size, spec)
-        lora = spec.extras.get("lora") or None
-        if lora and lora not in self.lora.adapters:
-            known = ", ".join(sorted(self.lora.adapters)) or "none registered"
-            raise InvalidRequest(f"unknown LoRA adapter {lora!r} (known: {known})")
-        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"),
-                                                                    after=spec.thinking), lora=lora,
-                                 is_capturing_system_prompt=bool(spec.extras.get("save_system_prompt_kv_cache")))
+        name = spec.extras.get("lora") or None
+        try:
+            lora = self.lora.get(name) if name else None
+        except KeyError as exc:
+            raise InvalidRequest(exc.args[0], param="model") from None
+        is_capturing = bool(spec.extras.get("save_system_prompt_kv_cache"))
+        state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"), after=spec.thinking),
+                                 lora=lora, is_capturing_system_prompt=is_capturing)
         # an adapter changes every layer's KV: the context cache keys its blocks apart
-        return Prepared(tuple(ids), state, kv_salt=f"lora:{lora}" if lora else None)
+        return Prepared(tuple(ids), state, kv_salt=lora.kv_salt if lora else None,
+                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0)
 
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, messages)
@@ -175,13 +178,28 @@ class TextRuntime:
     def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
         seats = self.seats.apply(step)
-        adapters = {seat.state.lora for seat in seats if seat.state is not None}
-        if len(adapters) > 1:  # the gate rejects per-request LoRA under in-flight batching
-            raise RuntimeError(f"one step cannot serve several LoRA adapters: {sorted(map(str, adapters))}")
-        with self.lora.active(next(iter(adapters), None)):
-            hidden = self._hidden(step, seats)  # [T, H]
+        self.copy_blocks(step.block_copies)
+        groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in seqs],
+                             self.device)
+        # the grammars' masks for this step's sampling rows are computed while the forward runs
+        self.guided.prefetch([seat for s, seat in zip(seqs, seats) if s.is_sampling])
+        try:
+            with self.lora.step(groups):
+                hidden = self._hidden(step, seats)  # [T, H]
             return sample_step(seqs, seats, hidden, self.model.compute_logits, argmax=self.greedy_argmax,
                                guided=self.guided)
+        finally:
+            self.guided.discard()
+
+    def copy_blocks(self, copies) -> None:
+        """Copy KV blocks (source, destination) in every layer: n > 1 sequences forking their prompt's last block."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""

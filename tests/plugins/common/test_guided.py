@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import re
 import time
+import types
 
 import pytest
 import torch
 
+import attrs
+
 from ifb import LLM, SamplingParams
+from ifb.capabilities import Support
 from ifb.engine import check_options
 from ifb.options import BUILTIN_OPTIONS
 from ifb.params import InvalidRequest, RequestSpec
@@ -17,6 +21,7 @@ from ifb.runtime import Seat
 from ifb_plugins.common.runtime.caps import text_options
 from ifb_plugins.common.decoding.guided import GuidedDecoder
 from ifb_plugins.common.runtime.text import TextRequestState
+from tests.helpers import submit_staggered
 from tests.models.text import save_tiny_checkpoint
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -119,14 +124,11 @@ def test_invalid_formats_are_refused_at_submit(llm, fmt, reason):
 
 
 def test_text_format_is_unguided():
-    support = {o.name: text_options().get(o.name, o.default) for o in BUILTIN_OPTIONS}
-
-    def runs_alone(fmt):
-        spec = RequestSpec(prompt="hi", extras={"response_format": fmt})
-        return check_options(list(BUILTIN_OPTIONS), support, spec, in_flight=True)[1]
-
-    assert not runs_alone({"type": "text"})
-    assert runs_alone({"type": "json_object"}) and runs_alone(regex("a+"))
+    guided = next(o for o in BUILTIN_OPTIONS if o.name == "guided_decoding")
+    assert not guided.uses(RequestSpec(prompt="hi", extras={"response_format": {"type": "text"}}))
+    assert guided.uses(RequestSpec(prompt="hi", extras={"response_format": {"type": "json_object"}}))
+    assert guided.uses(RequestSpec(prompt="hi", extras={"response_format": regex("a+")}))
+    assert text_options()["guided_decoding"].support is Support.SERVED
 
 
 def test_text_format_has_no_matcher(llm):
@@ -134,8 +136,32 @@ def test_text_format_has_no_matcher(llm):
     assert prepared.state.grammar is None
 
 
-def test_guided_request_waits_for_the_batch_then_runs_alone(llm, monkeypatch):
-    engine, runtime = llm.engine, llm.deployment.runtime
+@pytest.fixture
+def runs_alone(checkpoint):
+    """A fixture deployment of the text runtime that declares the spec's runs-alone guided decoding."""
+    from ifb.capabilities import DeployConfig, OptionSupport
+    from ifb.engine import RequestEngine
+    from ifb.plugins import default_host
+    from ifb_plugins.text import declare
+    from ifb_plugins.text.build import load_text_runtime
+
+    config = DeployConfig(model=str(checkpoint), max_batch_size=4, enable_in_flight_batching=True,
+                          max_num_batched_tokens=16)
+    caps = declare(config)
+    caps = attrs.evolve(caps, options={**caps.options, "guided_decoding": OptionSupport(
+        Support.RUNS_ALONE, reason="This fixture runs a guided request alone.", stall_counter="stalls_guided")})
+    runtime = load_text_runtime(config, caps)
+    engine = RequestEngine(runtime, config, default_host().request_options())
+    yield engine
+    engine.shutdown()
+
+
+def test_runs_alone_policy_waits_for_the_batch_then_runs_alone(runs_alone, monkeypatch):
+    """A plugin that declares runs-alone guided decoding keeps the spec's policy."""
+    engine = runs_alone
+    runtime = engine.runtime
+
+    llm = types.SimpleNamespace(engine=engine, health=engine.health)  # what the body below reads of an LLM
     runtime.guided.compile(regex("a"))  # build the guided vocabulary before timing matters
     log = []  # per step: the requests in it, the queue, and why each queued request waits
     execute = runtime.execute
@@ -178,6 +204,87 @@ def test_guided_request_waits_for_the_batch_then_runs_alone(llm, monkeypatch):
     assert after["stalls_guided"] - before["stalls_guided"] == num_stalled
     assert after["stalls_incompatible"] == before["stalls_incompatible"]
     assert runtime.guided.matchers == {}
+
+
+def _schema(i: int) -> dict:
+    """Eight different schemas: PERSON, and objects with an enum, a bounded integer and a short string."""
+    if i == 0:
+        return PERSON
+    return {"type": "object", "properties": {
+        f"k{i}": {"enum": [f"v{i}", f"w{i}"]}, "n": {"type": "integer", "minimum": i, "maximum": 10 * i},
+        "s": {"type": "string", "maxLength": i}}, "required": [f"k{i}", "n", "s"], "additionalProperties": False}
+
+
+def _schema_errors(i: int, value) -> list[str]:
+    if i == 0:
+        return person_errors(value)
+    if not isinstance(value, dict) or set(value) != {f"k{i}", "n", "s"}:
+        return [f"keys of {value!r}"]
+    errors = []
+    if value[f"k{i}"] not in (f"v{i}", f"w{i}"):
+        errors.append("enum")
+    if not (isinstance(value["n"], int) and i <= value["n"] <= 10 * i):
+        errors.append("n")
+    if not (isinstance(value["s"], str) and len(value["s"]) <= i):
+        errors.append("s")
+    return errors
+
+
+def test_guided_and_plain_requests_share_steps(checkpoint, monkeypatch):
+    """8 guided (JSON schema) and 8 plain requests arriving staggered share steps; every guided output validates,
+    and each guided greedy output equals the same request alone (each matcher on its own row)."""
+    with LLM(str(checkpoint), enable_in_flight_batching=True, max_batch_size=16, max_num_batched_tokens=64) as llm:
+        engine, runtime = llm.engine, llm.deployment.runtime
+        fmts = [{"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": _schema(i)}} for i in range(8)]
+        specs = []
+        for i in range(8):
+            specs.append(RequestSpec(prompt_token_ids=(5 + i, 6, 7), request_id=f"g{i}",
+                                     params=SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=60),
+                                     extras={"response_format": fmts[i]}))
+            specs.append(RequestSpec(prompt_token_ids=(9, 10 + i), request_id=f"p{i}",
+                                     params=SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
+        alone = {s.request_id: engine.submit(s, wait=True).result() for s in specs if s.request_id.startswith("g")}
+        steps = []
+        execute = runtime.execute
+
+        def recording(step):
+            steps.append({s.request_id for s in step.seqs})
+            return execute(step)
+
+        monkeypatch.setattr(runtime, "execute", recording)
+        before = llm.health()["scheduling"]
+        results = dict(zip([s.request_id for s in specs], submit_staggered(engine, specs, gap_steps=1)))
+        after = llm.health()["scheduling"]
+        for i in range(8):
+            out = results[f"g{i}"]
+            assert _schema_errors(i, json.loads(out.text)) == [], out.text
+            assert out.token_ids == alone[f"g{i}"].token_ids  # greedy or seeded: the same as alone
+        shared = [ids for ids in steps if any(r.startswith("g") for r in ids) and any(r.startswith("p") for r in ids)]
+        assert len(shared) >= 20, f"only {len(shared)} of {len(steps)} steps mixed guided and plain rows"
+        assert max(sum(r.startswith("g") for r in ids) for ids in steps) >= 4  # several matchers in one step
+        assert after["stalls_guided"] == before["stalls_guided"]
+        assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 14
+        assert runtime.guided.matchers == {}
+
+
+def test_masks_computed_during_the_forward_equal_masks_computed_after(checkpoint):
+    tokenizer = TextTokenizer.from_hf_dir(checkpoint)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    prefixes = ['{"name": "Al', '{"name": "Bo", "age": 4', "", '{"name": "C", "age": 7, "role": "admin"}']
+    masks = []
+    for is_overlapped in (True, False):
+        decoder = GuidedDecoder(tokenizer, 320)
+        decoder.is_overlapped = is_overlapped
+        grammar = decoder.compile(fmt)
+        seats = [Seat(f"r{i}", i, SamplingParams(), 2, [5, 6, *tokenizer.encode(p, add_special_tokens=False)],
+                      state=TextRequestState(grammar=grammar)) for i, p in enumerate(prefixes)]
+        decoder.prefetch(seats)
+        logits = torch.zeros(len(seats), 320)
+        decoder.mask_logits(logits, list(enumerate(seats)))
+        masks.append(torch.isinf(logits))
+    assert torch.equal(masks[0], masks[1])
+    allowed_last = (~masks[0][3]).nonzero().flatten().tolist()
+    assert allowed_last == list(tokenizer.eos_token_ids)  # a complete value: only the end may follow
 
 
 def test_cancelled_guided_request_drops_its_matcher(llm):

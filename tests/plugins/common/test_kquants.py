@@ -22,7 +22,9 @@ import torch
 from ifb_plugins.common.quant import kernels as qkernels, linear as quant, blocks as quant_blocks, int4_torch as quant_torch
 from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_tensors
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
-from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from tests.models.text import (
+    build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf,
+)
 from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType
@@ -225,10 +227,7 @@ def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gg
     raw = read_gguf_tensors(mixed_gguf)
     assert {raw[f"model.layers.0.self_attn.{p}.weight"].ggml_type for p in ("q_proj", "v_proj")} == {Q.Q4_K, Q.Q6_K}
     reference = build_model(load_checkpoint(mixed_gguf))
-    model = build_model(load_checkpoint(mixed_gguf))
-    report = quant.quantize_model(model, raw, backend)
-    if backend == "native":
-        quant.use_native_attention(model, KERNELS)
+    model, report = build_on_blocks(load_checkpoint(mixed_gguf), raw, backend)
     first, second = model.model.layers
     # layer 0: Q, K (Q4_K) and V (Q6_K) each on its own type; layer 1: Q/K/V (Q5_0) fused
     assert first.self_attn.q_proj.qtype == first.self_attn.k_proj.qtype == Q.Q4_K
@@ -272,22 +271,22 @@ Q4_K_M = {"token_embd.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q4_K for i
 
 @pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
 def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_path: Path) -> None:
-    from ifb_plugins.common.models.native_decoder import use_native_decoder
+    from ifb_plugins.common.models.native_decoder import NativeDecoder
+    from ifb_plugins.common.models.parts import TorchLayerStack
 
     hf = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=11, hidden_size=256, intermediate_size=512,
                               num_layers=2, num_heads=4, num_kv_heads=2)
     path = save_tiny_gguf(hf, tmp_path / "q4_k_m.gguf", tensor_types=Q4_K_M, quantize=quantize_k)
     raw = read_gguf_tensors(path)
-    modules, native = build_model(load_checkpoint(path)), build_model(load_checkpoint(path))
-    for model in (modules, native):
-        report = quant.quantize_model(model, raw, "native")
-        quant.use_native_attention(model, KERNELS)
+    (modules, report), (native, native_report) = (build_on_blocks(load_checkpoint(path), raw, "native", layer_stack=s)
+                                                  for s in ("torch", "auto"))
+    for model, report in ((modules, report), (native, native_report)):
         assert report.num_quantized == 14 and report.num_torch == 0
         assert not [m for m in model.modules() if isinstance(m, quant.StoredBlockLinear)]
     first, second = native.model.layers
     assert first.self_attn.v_proj.qtype == Q.Q6_K and first.self_attn.qkv_proj is None
     assert second.self_attn.qkv_proj.qtype == Q.Q4_K and first.mlp.gate_up_proj.qtype == Q.Q8_0
-    assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
+    assert isinstance(native.layer_stack, NativeDecoder) and isinstance(modules.layer_stack, TorchLayerStack)
     ids = PROMPTS[1]
     got, ref = prefill_logits(native, ids), prefill_logits(modules, ids)
     # the same matmuls; the norms' last-bit differences can move an activation code by one step
@@ -312,10 +311,7 @@ def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_p
     # every quantized projection, the embedding and (untied) the head: 14 + 1 (+ 1)
     assert len(deferred.deferred) == (15 if tied else 16) and "model.embed_tokens.weight" in deferred.deferred
     assert not whole.deferred
-    reference, model = build_model(whole), build_model(deferred)
-    for m in (reference, model):
-        report = quant.quantize_model(m, raw, "native")
-        quant.use_native_attention(m, KERNELS)
+    (reference, _), (model, report) = build_on_blocks(whole, raw, "native"), build_on_blocks(deferred, raw, "native")
     assert report.embedding_blocks == "Q6_K" and report.is_embedding_in_head == tied
     if tied:  # looked up in the head's blocks: no copy of the table
         assert isinstance(model.model.embed_tokens, quant.HeadEmbedding) and model.head.qtype == Q.Q6_K

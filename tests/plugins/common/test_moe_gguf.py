@@ -18,7 +18,8 @@ from ifb_plugins.common.quant import kernels as qkernels, linear as quant
 from ifb_plugins.common.loading.gguf import read_gguf_tensors
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
 from ifb_plugins.common.layers.moe import ExpertModules, SparseMoE
-from tests.models.text import greedy_generate_batch
+from ifb_plugins.common.models.parts import TorchLayerStack
+from tests.models.text import build_on_blocks, greedy_generate_batch
 from tests.models.moe import save_tiny_moe, write_moe_gguf
 from tests.helpers import submit_staggered
 from tests.plugins.common.test_loaders import prefill_logits
@@ -70,8 +71,8 @@ def test_native_experts_compute_the_float32_model(arch: str, qtype: Q, hf_dirs: 
                                                   tmp_path: Path) -> None:
     path = quantized(arch, hf_dirs, tmp_path, qtype)
     loaded = load_checkpoint(path)
-    reference, model = build_model(loaded), build_model(loaded)  # float32 on the dequantized blocks
-    report = quant.quantize_model(model, read_gguf_tensors(path), "native", activations="float32")
+    reference = build_model(loaded)  # float32 on the dequantized blocks
+    model, report = build_on_blocks(loaded, read_gguf_tensors(path), "native", activations="float32")
     moe = model.model.layers[0].mlp
     assert isinstance(moe, SparseMoE) and isinstance(moe.experts, ExpertModules)
     assert all(isinstance(m, quant.BlockLinear) for m in (*moe.experts.gate_up, *moe.experts.down))
@@ -83,8 +84,7 @@ def test_native_experts_compute_the_float32_model(arch: str, qtype: Q, hf_dirs: 
 @needs_kernels
 def test_native_dispatch_computes_each_row_exactly_as_alone(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = quantized("qwen2_moe", hf_dirs, tmp_path, Q.Q4_0)
-    model = build_model(load_checkpoint(path))
-    quant.quantize_model(model, read_gguf_tensors(path), "native", activations="int16")
+    model, _ = build_on_blocks(load_checkpoint(path), read_gguf_tensors(path), "native", activations="int16")
     moe = model.model.layers[1].mlp
     x = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_native_batched_greedy_equals_each_prompt_alone(arch: str, qtype: Q, hf_
         llm = LLM(str(path), enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
     try:
         runtime = llm.deployment.runtime
-        assert runtime.model.decoder_impl is None  # explicitly the layer-by-layer path, and said so
+        assert isinstance(runtime.model.layer_stack, TorchLayerStack)  # explicitly the layer-by-layer path, and said so
         assert "the layer loop runs in Python, not the native decoder" in caplog.text
         assert isinstance(runtime.model.model.layers[0].mlp.experts, ExpertModules)
         specs = [RequestSpec(prompt_token_ids=tuple(ids), params=GREEDY) for ids in ENGINE_PROMPTS]

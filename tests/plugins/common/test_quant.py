@@ -21,8 +21,9 @@ from ifb_plugins.common.layers.attention import build_attn_metadata, paged_atten
 from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_tensors
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
 from ifb_plugins.common.models.decoder import allocate_kv_cache
-from ifb_plugins.common.models.native_decoder import use_native_decoder
-from tests.models.text import greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
+from ifb_plugins.common.models.native_decoder import NativeDecoder
+from ifb_plugins.common.models.parts import TorchLayerStack
+from tests.models.text import build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType
@@ -231,11 +232,7 @@ def test_torch_int4_fallback_is_close_and_row_invariant() -> None:
 
 def quantized(path: Path, backend: quant.Backend,
               activations: qkernels.Activations) -> tuple[nn.Module, quant.QuantizationReport]:
-    model = build_model(load_checkpoint(path))
-    report = quant.quantize_model(model, read_gguf_tensors(path), backend, activations=activations)
-    if backend == "native":
-        quant.use_native_attention(model, KERNELS)
-    return model, report
+    return build_on_blocks(load_checkpoint(path), read_gguf_tensors(path), backend, activations=activations)
 
 
 @pytest.mark.parametrize(("backend", "activations"), [
@@ -288,12 +285,10 @@ def test_native_decoder_runs_the_layers_as_the_modules_do(tmp_path: Path, arch: 
     heads = 64 // head_dim * 2
     loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, seed=11, hidden_size=128, num_heads=heads,
                                                   num_kv_heads=heads // 2))
-    modules, native = build_model(loaded), build_model(loaded)
-    raw = blocks_of(modules)
-    for model in (modules, native):
-        quant.quantize_model(model, raw, "native", activations=activations)
-        quant.use_native_attention(model, KERNELS)
-    assert use_native_decoder(native, KERNELS) and modules.decoder_impl is None
+    raw = blocks_of(build_model(loaded))
+    modules, _ = build_on_blocks(loaded, raw, "native", activations=activations)
+    native, _ = build_on_blocks(loaded, raw, "native", activations=activations, layer_stack="auto")
+    assert isinstance(native.layer_stack, NativeDecoder) and isinstance(modules.layer_stack, TorchLayerStack)
     ids = PROMPTS[3]
     got, ref = prefill_logits(native, ids), prefill_logits(modules, ids)
     # integer codes: the norms' last-bit differences can move an activation code by one step
@@ -323,10 +318,9 @@ def _prefill_caches(model: nn.Module, ids: list[int], kv_dtype: torch.dtype,
 @needs_kernels
 def test_native_decoder_on_a_float16_cache(tmp_path: Path) -> None:
     loaded = load_checkpoint(save_tiny_checkpoint(tmp_path, "llama", seed=11))
-    model = build_model(loaded)
-    quant.quantize_model(model, blocks_of(model), "native", activations="int16")
-    quant.use_native_attention(model, KERNELS)
-    assert use_native_decoder(model, KERNELS)
+    raw = blocks_of(build_model(loaded))
+    model, _ = build_on_blocks(loaded, raw, "native", activations="int16", layer_stack="auto")
+    assert isinstance(model.layer_stack, NativeDecoder)
     ids = PROMPTS[3][:21]
     exact, caches32 = _prefill_caches(model, ids, torch.float32)
     got, caches16 = _prefill_caches(model, ids, torch.float16)
@@ -338,9 +332,7 @@ def test_native_decoder_on_a_float16_cache(tmp_path: Path) -> None:
     batched = greedy_generate_batch(model, PROMPTS, 10, block_size=4, kv_dtype=torch.float16)
     assert batched == [greedy_generate(model, p, 10, block_size=4, kv_dtype=torch.float16) for p in PROMPTS]
     # the per-module path (torch's conversion on write, the native attention) reads the same values
-    modules = build_model(loaded)
-    quant.quantize_model(modules, blocks_of(modules), "native", activations="int16")
-    quant.use_native_attention(modules, KERNELS)
+    modules, _ = build_on_blocks(loaded, raw, "native", activations="int16")
     assert batched == greedy_generate_batch(modules, PROMPTS, 10, block_size=4, kv_dtype=torch.float16)
 
 

@@ -138,3 +138,20 @@ def test_media_input_is_served_on_the_blocking_path_too(text_only, speaking):
     batched = text_only[0].engine.submit(spec, wait=True).result()
     alone = speaking[0].engine.submit(spec, wait=True).result()
     assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 6
+
+
+def test_guided_requests_join_the_thinkers_running_batch(text_only):
+    import re
+
+    deployment, _ = text_only
+    fmt = {"type": "regex", "regex": "[a-z]{2,5}-[0-9]{2}"}
+    guided = RequestSpec(prompt_token_ids=tuple(PROMPT), params=SamplingParams(temperature=0, max_tokens=12),
+                         extras={"response_format": fmt})
+    alone = deployment.engine.submit(guided, wait=True).result()
+    plain = RequestSpec(prompt_token_ids=tuple(PROMPT), params=SamplingParams(temperature=0, max_tokens=12,
+                                                                               ignore_eos=True))
+    stalls = deployment.engine.counters.stalls["stalls_guided"]
+    handles = [deployment.engine.submit(spec, wait=True) for spec in (plain, guided, plain)]
+    results = [h.result() for h in handles]
+    assert re.fullmatch(fmt["regex"], results[1].text) and results[1].token_ids == alone.token_ids
+    assert deployment.engine.counters.stalls["stalls_guided"] == stalls

@@ -181,3 +181,27 @@ def test_chat_route_serves_audio_input(llm):
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"] == expected
     assert chat.json()["usage"]["prompt_tokens"] == len(llm.deployment.runtime.prepare(spec).prompt_token_ids)
+
+
+def test_transcription_route_equals_the_thinkers_greedy_transcription(omni_reference_model, llm):
+    """``/v1/audio/transcriptions`` on the Omni Thinker (under in-flight batching): the text is the Thinker's
+    greedy answer to the route's instruction over the same clip, as transformers generates it."""
+    from starlette.testclient import TestClient
+
+    from ifb.server.app import build_app
+    from ifb.server.transcriptions import MAX_TRANSCRIPT_TOKENS, instruction
+
+    _, model = omni_reference_model
+    seed, seconds = 2, 0.3
+    ids, features, mask = reference_inputs(seed, seconds, text=instruction(None, False))
+    with torch.no_grad():
+        generated = model.thinker.generate(input_ids=ids, input_features=features, feature_attention_mask=mask,
+                                           do_sample=False, max_new_tokens=MAX_TRANSCRIPT_TOKENS,
+                                           eos_token_id=list(llm.deployment.runtime.tokenizer.eos_token_ids),
+                                           pad_token_id=0)
+    expected = TOKENIZER.decode(generated[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    with TestClient(build_app(llm.deployment, model_name="omni"), base_url="http://localhost") as client:
+        response = client.post("/v1/audio/transcriptions", data={"model": "omni"},
+                               files={"file": ("clip.wav", wav_bytes(clip(seed, seconds)), "audio/wav")})
+    assert response.status_code == 200, response.text
+    assert response.json()["text"] == expected and expected

@@ -13,10 +13,11 @@ from ifb import LLM, SamplingParams
 from ifb.capabilities import DeployConfig
 from ifb.params import RequestSpec
 from ifb_plugins.common.quant import kernels as qkernels, linear as quant
-from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
+from ifb_plugins.common.loading.checkpoint import load_checkpoint
 from ifb_plugins.common.models.native_decoder import NativeDecoder
+from ifb_plugins.common.models.parts import TorchLayerStack
 from tests.models.text import save_tiny_checkpoint, save_tiny_gguf
-from ifb_plugins.text.build import PreparedModel, kv_cache_dtype, prepare_model, quantization_mode
+from ifb_plugins.text.build import PreparedModel, build_text_model, kv_cache_dtype, quantization_mode
 from tests.helpers import submit_staggered
 from tests.plugins.common.test_quant import PROMPTS, needs_kernels
 
@@ -37,7 +38,7 @@ def test_served_gguf_is_quantized_by_default_and_batches_like_solo(tiny_gguf: Pa
         assert isinstance(down, quant.BlockLinear) and down.activations == "int16"
         assert runtime.step_torch_threads == 1
         assert runtime.model.model.layers[0].self_attn.attention_impl.__func__ is qkernels.Kernels.paged_attention
-        assert isinstance(runtime.model.decoder_impl, NativeDecoder)
+        assert isinstance(runtime.model.layer_stack, NativeDecoder)
         assert runtime.kv_caches[0][0].dtype == torch.float16
         assert runtime.greedy_argmax is not None and runtime.greedy_argmax.__func__ is qkernels.Kernels.argmax
         alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
@@ -71,13 +72,15 @@ def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: P
     with pytest.raises(ValueError, match="quantization must be one of auto, int8, weights-only, none"):
         quantization_mode(DeployConfig(options={"quantization": "int3"}))
     loaded = load_checkpoint(tiny_gguf)
-    model = build_model(loaded)
-    assert "float32" in prepare_model(model, loaded, "none", has_lora=False).description
-    assert "LoRA" in prepare_model(model, loaded, "auto", has_lora=True).description
-    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and model.head is None
+    model, prepared = build_text_model(loaded, "none", has_lora=False)
+    assert "float32" in prepared.description
+    # with adapters the GGUF's blocks still run (LoRA hooks the block matmuls), the layer loop from Python
+    model, lora = build_text_model(loaded, "auto", has_lora=True)
+    assert "LoRA" in lora.description and isinstance(model.layer_stack, TorchLayerStack)
+    assert type(model.model.layers[0].self_attn.qkv_proj).__name__.endswith("BlockLinear")
     hf_dir = save_tiny_checkpoint(tmp_path / "hf", "llama", seed=2)
     hf = load_checkpoint(hf_dir)
-    assert prepare_model(build_model(hf), hf, "auto", has_lora=False).description == "float32"
+    assert build_text_model(hf, "auto", has_lora=False)[1].description == "float32"
 
 
 def test_kv_cache_dtype_option() -> None:

@@ -85,10 +85,12 @@ def test_requests_are_validated_at_submit(llm):
         llm.engine.submit(RequestSpec(prompt_token_ids=(10_000,)))
     with pytest.raises(InvalidRequest, match="context"):
         llm.engine.submit(RequestSpec(prompt_token_ids=tuple([5] * 600), params=SamplingParams(max_tokens=8)))
-    with pytest.raises(RequestRejected, match="blocking path"):
-        llm.engine.submit(RequestSpec(prompt="hi", params=SamplingParams(n=2)))
-    with pytest.raises(RequestRejected, match="LoRA.*blocking path"):
+    with pytest.raises(InvalidRequest, match="n \\(5\\) is more than the batch size \\(4\\)"):
+        llm.engine.submit(RequestSpec(prompt="hi", params=SamplingParams(n=5)))
+    with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'x' \\(loaded: none loaded\\)"):
         llm.engine.submit(RequestSpec(prompt="hi", extras={"lora": "x"}))
+    with pytest.raises(RequestRejected, match="context cache.*--enable-context-reuse"):
+        llm.engine.submit(RequestSpec(prompt="hi", extras={"save_system_prompt_kv_cache": True}))
 
 
 def test_chat_streams_text(llm):

@@ -203,3 +203,20 @@ def test_server_answers_bad_media_with_400(llm):
     good = asyncio.run(post([{"type": "text", "text": "Hi"}, image_part(png_bytes(1))]))
     assert good.status_code == 200, good.text
     assert good.json()["usage"]["prompt_tokens"] > NUM_IMAGE_TOKENS
+
+
+def test_guided_media_and_plain_requests_share_steps(llm):
+    """A guided request with an image and plain ones join one running batch; the guided output is in the
+    language and equals the same request alone."""
+    import re
+
+    import attrs
+
+    fmt = {"type": "regex", "regex": "[a-z]{3,8}( [a-z]{2,6}){2}"}
+    guided = attrs.evolve(image_chat(3), extras={**image_chat(3).extras, "response_format": fmt},
+                          params=SamplingParams(temperature=0.0, max_tokens=30))
+    alone = llm.engine.submit(guided, wait=True).result()
+    stalls = llm.health()["scheduling"]["stalls_guided"]
+    results = submit_staggered(llm.engine, [text_chat("one"), guided, image_chat(4), text_chat("two")], gap_steps=1)
+    assert re.fullmatch(fmt["regex"], results[1].text) and results[1].token_ids == alone.token_ids
+    assert llm.health()["scheduling"]["stalls_guided"] == stalls

@@ -191,3 +191,60 @@ def reference(directory: Path, cls: type) -> tuple[transformers.PreTrainedModel,
             tokenizer=transformers.AutoTokenizer.from_pretrained(directory), video_processor=SmolVLMVideoProcessor(),
             image_seq_len=settings["image_seq_len"], chat_template=(directory / "chat_template.jinja").read_text())
     return model.eval(), processor
+
+
+#: Qwen/Qwen3-ASR-*-hf's template, as transformers' conversion script writes it: the system messages' text
+#: (context), one audio placeholder per clip, assistant turns verbatim (the forced-language prefill)
+QWEN3_ASR_TEMPLATE = (
+    "{%- set ns = namespace(system_text='') -%}"
+    "{%- for m in messages -%}{%- if m.role == 'system' -%}{%- if m.content is string -%}"
+    "{%- set ns.system_text = ns.system_text + m.content -%}{%- else -%}{%- for c in m.content -%}"
+    "{%- if c.type == 'text' and (c.text is defined) -%}{%- set ns.system_text = ns.system_text + c.text -%}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endif -%}{%- endfor -%}"
+    "{%- set ns2 = namespace(audio_tokens='') -%}"
+    "{%- for m in messages -%}{%- if m.content is not string -%}{%- for c in m.content -%}"
+    "{%- if c.type == 'audio' or ('audio' in c) or ('audio_url' in c) -%}"
+    "{%- set ns2.audio_tokens = ns2.audio_tokens + '<|audio_start|><|audio_pad|><|audio_end|>' -%}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endfor -%}"
+    "{{- '<|im_start|>system\n' + ns.system_text + '<|im_end|>\n' -}}"
+    "{{- '<|im_start|>user\n' + ns2.audio_tokens + '<|im_end|>\n' -}}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{%- set ns3 = namespace(assistant_text='') -%}"
+    "{%- if m.content is string -%}{%- set ns3.assistant_text = m.content -%}{%- else -%}"
+    "{%- for c in m.content -%}{%- if c.type == 'text' and (c.text is defined) -%}"
+    "{%- set ns3.assistant_text = ns3.assistant_text + c.text -%}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\n' -}}{% generation %}{{- ns3.assistant_text + '<|im_end|>\n' -}}{% endgeneration %}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def qwen3_asr(directory: Path, *, seed: int = 0) -> Path:
+    """A tiny ``Qwen3ASRForConditionalGeneration`` (1 s encoder chunks, 2 s attention windows, a Qwen3 decoder)
+    and its ``Qwen3ASRProcessor`` (``Qwen3ASRFeatureExtractor``, the published template); ``<asr_text>`` is an
+    added token that is not special, as in the published tokenizer (decoding keeps it)."""
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_qwen3_asr_tokens(), bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2],
+        pad_token=SPECIAL_TOKENS[0], extra_special_tokens={
+            "audio_token": "<|audio_pad|>", "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"})
+    audio = transformers.Qwen3ASREncoderConfig(
+        num_mel_bins=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, d_model=32,
+        output_dim=64, downsample_hidden_size=8, n_window=50, n_window_infer=200)
+    text = transformers.Qwen3Config(**{**TEXT_SIZES, "vocab_size": 320}, head_dim=16, bos_token_id=0,
+                                    eos_token_id=2, tie_word_embeddings=True)
+    config = transformers.Qwen3ASRConfig(audio_config=audio, text_config=text,
+                                         audio_token_id=tokenizer.convert_tokens_to_ids("<|audio_pad|>"),
+                                         pad_token_id=0, eos_token_id=[0, 2])
+    model = transformers.Qwen3ASRForConditionalGeneration(config).eval()
+    redraw(model, seed)
+    features = transformers.Qwen3ASRFeatureExtractor(feature_size=32)
+    processor = transformers.Qwen3ASRProcessor(feature_extractor=features, tokenizer=tokenizer,
+                                               chat_template=QWEN3_ASR_TEMPLATE)
+    return save(model, processor, directory, "v5")
+
+
+def _qwen3_asr_tokens():
+    tok = train_tiny_tokenizer(300)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>")])
+    tok.add_tokens([AddedToken("<asr_text>", special=False, normalized=False)])
+    return tok
