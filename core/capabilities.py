@@ -79,6 +79,9 @@ class DeploymentCaps:
     #: whether KV blocks can be reused across requests (prefix caching)
     supports_prefix_reuse: bool = True
     prefix_reuse_note: str = ""
+    #: the runtime shards over ``num_ranks`` > 1 ranks (``ifb.parallel``); else why not
+    supports_tensor_parallel: bool = False
+    tensor_parallel_note: str = ""
 
     def option(self, opt: RequestOption) -> OptionSupport:
         return self.options.get(opt.name, opt.default)
@@ -98,7 +101,10 @@ class DeployConfig:
     enable_context_reuse: bool = False
     max_kv_cache_capacity: int | None = None  # tokens
     max_num_batched_tokens: int = 256  # per-step token budget (chunked prefill)
+    #: ranks the deployment spans (``--tensor-parallel-size``)
     num_ranks: int = 1
+    #: seconds any collective between the ranks may take; past it the silent rank is lost
+    collective_timeout: float = 60.0
     options: dict[str, Any] = attrs.field(factory=dict)  # plugin-specific settings
 
 

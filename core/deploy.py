@@ -50,7 +50,7 @@ class Deployment:
         if self.engine.is_in_flight:
             why = (f" (the gate's decision: stepped execution and seated admission declared, "
                    f"max_batch_size {self.config.max_batch_size} within the built {caps.max_batch_size}, "
-                   f"{caps.num_ranks} rank)")
+                   f"{caps.num_ranks} rank{'s' if caps.num_ranks > 1 else ''})")
         elif self.blocking_reason:
             why = f" (the gate's decision: {self.blocking_reason})"
         else:
@@ -60,6 +60,9 @@ class Deployment:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        close = getattr(self.runtime, "close", None)  # a multi-rank runtime stops its ranks
+        if close is not None:
+            close()
 
 
 def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
@@ -73,7 +76,7 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
     if resolved is not None:
         config = attrs.evolve(config, model=str(resolved))
-    runtime = kind.load(config)
+    runtime = kind.load(config) if config.num_ranks == 1 else load_ranks(kind, config)
     caps = runtime.caps
     reason = check_deployment(caps, config)  # the loaded runtime's own declaration is the final word
     options = host.request_options()
@@ -100,5 +103,38 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
         engine = RequestEngine(runtime, config, options, in_flight=False, blocks=blocks, counters=counters,
                                prefix=own_prefix(blocks) if own_prefix is not None else None, reason=reason)
     deployment = Deployment(kind, config, caps, runtime, engine, reason)
+    if config.num_ranks > 1:
+        runtime.on_lost.append(engine.lose)
     log.info(deployment.describe())
     return deployment
+
+
+def load_ranks(kind: DeploymentKind, config: DeployConfig):
+    """Rank 0 of a tensor-parallel deployment: start (or, under torchrun, meet) the other ranks, load
+    rank 0's shard, and wrap it in the runtime that broadcasts each step to them."""
+    from ifb.parallel.driver import DriverRuntime
+    from ifb.parallel.group import leave_ranks
+    from ifb.parallel.launch import SpawnedRanks, join_ranks, spawn_workers, torchrun_env
+
+    env = torchrun_env()
+    if env is None:
+        env, spawned = spawn_workers(config, kind.name)
+    else:
+        spawned = SpawnedRanks()  # torchrun owns the processes
+        if env.world_size != config.num_ranks:
+            raise UnsupportedDeployment(f"--tensor-parallel-size {config.num_ranks} but torchrun started "
+                                        f"{env.world_size} ranks (WORLD_SIZE)")
+        if env.rank != 0:
+            raise UnsupportedDeployment(f"rank {env.rank} runs a shard, not the engine")
+    try:
+        ctx = join_ranks(env, config)
+        try:
+            inner = kind.load(config)
+        except BaseException:
+            leave_ranks()
+            raise
+    except BaseException:
+        spawned.stop(grace=config.collective_timeout)
+        raise
+    log.info("tensor parallelism: rank 0 of %d (%s)", ctx.world_size, ctx.backend)
+    return DriverRuntime(inner, ctx, timeout=config.collective_timeout, closers=[spawned.stop])

@@ -32,7 +32,7 @@ from ifb.options import media_refusal
 from ifb.outputs import RequestHandle, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.request import Request, RequestGroup
-from ifb.runtime import Runtime, ScheduledStep
+from ifb.runtime import Runtime, RuntimeLost, ScheduledStep
 from ifb.scheduler import PrefixMatcher, Scheduler
 
 log = logging.getLogger("ifb.engine")
@@ -192,6 +192,10 @@ class RequestEngine:
         self.scheduler.listeners.append(self)
         self._cv = threading.Condition()
         self._stopping = False
+        #: why the runtime cannot go on (``RuntimeLost``), once it happened; the engine has stopped then
+        self.lost: BaseException | None = None
+        #: called once, from the actor thread, when the runtime is lost (after every request failed)
+        self.on_lost: list = []
         self._thread = threading.Thread(target=self._run, name="ifb-engine", daemon=True)
         self._thread.start()
 
@@ -250,8 +254,8 @@ class RequestEngine:
         scheduler = self.scheduler
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or scheduler.has_work)
-                if self._stopping:
+                self._cv.wait_for(lambda: self._stopping or self.lost is not None or scheduler.has_work)
+                if self._stopping or self.lost is not None:
                     break
             step = scheduler.schedule()
             if step is None:
@@ -262,10 +266,26 @@ class RequestEngine:
                     self._serve_whole(whole)
                 else:
                     scheduler.update(step, self.runtime.execute(step))
+            except RuntimeLost as exc:
+                log.error("the runtime is lost, failing every request: %s", exc)
+                self.lost = exc
+                break
             except Exception as exc:  # noqa: BLE001 - one step's fault fails that step only
                 log.exception("step %d failed", step.step_id)
                 scheduler.fail_step(step, exc)
+        if self.lost is not None:
+            with self._cv:  # no submit slips in between: after this, submit refuses
+                scheduler.fail_all(f"the deployment stopped: {self.lost}")
+            for callback in list(self.on_lost):
+                callback(self.lost)
         scheduler.shutdown()
+
+    def lose(self, error: BaseException) -> None:
+        """The runtime was found lost outside a step (a rank died while idle): fail everything and stop."""
+        with self._cv:
+            if self.lost is None:
+                self.lost = error
+            self._cv.notify_all()
 
     def _served_whole(self, step: ScheduledStep) -> Request | None:
         """The request of a one-seat step that the runtime serves whole (``handle_request``), if it is one."""

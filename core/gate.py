@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
 
-#: how many ranks the stepped engine drives in this release
-ENGINE_MAX_RANKS = 1
-
-
 class UnsupportedDeployment(RuntimeError):
     """Start-up refusal: the deployment cannot run under in-flight batching."""
 
@@ -28,13 +24,17 @@ def ifb_unsupported_reason(caps: DeploymentCaps, config: DeployConfig) -> str | 
     if config.max_batch_size > caps.max_batch_size:
         return (f"max_batch_size {config.max_batch_size} exceeds the batch size the runtime "
                 f"was built for ({caps.max_batch_size})")
-    if caps.num_ranks > ENGINE_MAX_RANKS:
-        return (f"the runtime spans {caps.num_ranks} ranks; the in-flight engine drives "
-                f"{ENGINE_MAX_RANKS} in this release")
+    if caps.num_ranks > 1 and not caps.supports_tensor_parallel:
+        return tensor_parallel_refusal(caps)
     if config.enable_context_reuse and not caps.supports_prefix_reuse:
         why = f": {caps.prefix_reuse_note}" if caps.prefix_reuse_note else ""
         return f"--enable-context-reuse is not supported by this deployment{why}"
     return None
+
+
+def tensor_parallel_refusal(caps: DeploymentCaps) -> str:
+    why = f": {caps.tensor_parallel_note}" if caps.tensor_parallel_note else ""
+    return f"the runtime cannot be sharded over {caps.num_ranks} ranks (tensor parallelism){why}"
 
 
 def check_deployment(caps: DeploymentCaps, config: DeployConfig) -> str | None:
@@ -43,6 +43,9 @@ def check_deployment(caps: DeploymentCaps, config: DeployConfig) -> str | None:
     Returns the reason the deployment runs on the blocking path (None when it is
     served under in-flight batching or the flag was not asked for).
     """
+    if caps.num_ranks > 1 and not caps.supports_tensor_parallel:
+        # no path serves it: one rank instead of the N asked for would be a silent fallback
+        raise UnsupportedDeployment(f"--tensor-parallel-size {caps.num_ranks}: {tensor_parallel_refusal(caps)}")
     reason = ifb_unsupported_reason(caps, config)
     if config.enable_in_flight_batching and reason is not None:
         raise UnsupportedDeployment(f"cannot enable in-flight batching: {reason}")

@@ -18,6 +18,9 @@ class LLM:
     ``max_batch_size`` + ``max_queued_requests``; further callers block until
     there is room. Without it (the default) requests run one at a time.
 
+    ``tensor_parallel_size`` > 1 shards the model over that many ranks, spawned on this machine
+    (see docs/tensor-parallel.md); ``collective_timeout`` bounds how long a silent rank is waited for.
+
     ``plugin`` names the deployment kind (None: the installed default). ``plugin_options`` are the
     plugins' settings (``ifb_deploy_settings``; ``ifb serve --help`` lists them as flags), checked as
     the flags are: ``LLM(some_setting=value)`` is ``ifb serve --some-setting value``.
@@ -27,14 +30,15 @@ class LLM:
                  enable_in_flight_batching: bool = False, max_queued_requests: int = 64,
                  queue_timeout: float = 600.0, enable_context_reuse: bool = False,
                  max_kv_cache_capacity: int | None = None, max_num_batched_tokens: int = 256,
-                 **plugin_options: Any):
+                 tensor_parallel_size: int = 1, collective_timeout: float = 60.0, **plugin_options: Any):
         host = default_host()
         self.config = DeployConfig(
             model=model, plugin=plugin or host.default_kind().name, max_batch_size=max_batch_size,
             enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
             queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
             max_kv_cache_capacity=max_kv_cache_capacity, max_num_batched_tokens=max_num_batched_tokens,
-            options=host.setting_options(plugin_options),
+            options=host.setting_options(plugin_options), num_ranks=tensor_parallel_size,
+            collective_timeout=collective_timeout,
         )
         self.deployment: Deployment = load_deployment(self.config, host)
 

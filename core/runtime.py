@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # the request module imports nothing of this one; the names a
     from ifb.scheduler import PrefixMatcher
 
 
+class RuntimeLost(RuntimeError):
+    """Raised by ``execute`` when the runtime cannot go on at all (a tensor-parallel rank was lost):
+    the engine fails every request it holds and stops, rather than failing one step and going on."""
+
+
 @attrs.frozen
 class NewSeq:
     """A request taking a seat (first seated, or back from preemption): sent once, kept by the runtime."""

@@ -501,6 +501,12 @@ class Scheduler:
                 out = attrs.evolve(out, finished=out.finished and group.num_open == 0)
             r.handle.push(out, self._deliveries)
 
+    def fail_all(self, message: str) -> None:
+        """Fail everything still queued or seated with ``message`` (the runtime is lost)."""
+        self._take_inbox()
+        for request in [*self.running, *self.waiting]:
+            self.finish(request, "error", error=message)
+
     def shutdown(self) -> None:
         """Cancel everything still queued or seated (the engine is stopping)."""
         self._take_inbox()

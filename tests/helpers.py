@@ -11,12 +11,16 @@ from ifb.params import SamplingParams
 from ifb.runtime import NewSeq, Prepared, ScheduledSeq, ScheduledStep, Seat
 
 
-def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0):
+def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0, min_joined: int = 1):
     """Submit ``specs`` one by one, each after the previous one ran ``gap_steps`` engine steps.
 
     Later requests therefore arrive while earlier ones are generating and must
-    join mid-flight. Returns the finished results in submission order.
+    join mid-flight: at least ``min_joined`` of them must have (the engine's
+    ``admitted_mid_flight`` counter), or the test fails, since a run in which
+    nobody joined proves nothing about batching. Returns the finished results in
+    submission order.
     """
+    joined_before = engine.counters.admitted_mid_flight
     handles = []
     for spec in specs:
         handle = engine.submit(spec, wait=True)
@@ -29,7 +33,10 @@ def submit_staggered(engine, specs, gap_steps: int = 2, timeout: float = 30.0):
         target = engine.scheduler.num_steps + gap_steps
         while engine.scheduler.num_steps < target and not handle.done.is_set() and time.monotonic() < deadline:
             time.sleep(0.0005)
-    return [h.result() for h in handles]
+    results = [h.result() for h in handles]
+    joined = engine.counters.admitted_mid_flight - joined_before
+    assert joined >= min_joined, f"{joined} of {len(specs)} staggered requests joined mid-flight, wanted {min_joined}"
+    return results
 
 
 @attrs.frozen

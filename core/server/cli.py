@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+import attrs
 import click
 
 from ifb.capabilities import DeployConfig
@@ -83,6 +84,12 @@ def _setup_logging(level: str) -> None:
 @click.option("--allowed-origins", "allowed_origins", multiple=True, metavar="ORIGIN",
               help="A web origin (https://app.example) whose pages may call the server (CORS). Repeatable; "
                    "other origins are refused.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Ranks to shard the model over (tensor parallelism): spawned on this machine, or the ranks "
+                   "torchrun started (WORLD_SIZE).  [default: 1, or WORLD_SIZE under torchrun]")
+@click.option("--collective-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a collective between ranks may take; past it the silent rank is lost and the "
+                   "server fails its requests and exits.")
 @click.option("--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
               help="Split a reasoning model's thinking from its answer (reasoning_content, reasoning items, "
                    "thinking blocks); auto: from the chat template.")
@@ -95,7 +102,8 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           served_model_name: str | None, host: str, port: int, api_key: str | None, log_level: str,
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
-          static_batching: bool = False, reasoning_parser: str = "auto", **plugin_flags) -> None:
+          static_batching: bool = False, reasoning_parser: str = "auto", tensor_parallel_size: int | None = None,
+          collective_timeout: float = 60.0, **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
@@ -103,6 +111,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
     import uvicorn
 
     from ifb.deploy import load_deployment
+    from ifb.parallel.launch import torchrun_env
     from ifb.server.app import build_app
     from ifb.server.guard import GuardConfig, is_loopback
 
@@ -130,10 +139,14 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         enable_in_flight_batching=enable_in_flight_batching, max_queued_requests=max_queued_requests,
         queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
         max_kv_cache_capacity=max_kv_cache_capacity, options=options,
+        num_ranks=_num_ranks(tensor_parallel_size, torchrun_env()), collective_timeout=collective_timeout,
     )
     if max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = max_num_batched_tokens
     config = DeployConfig(**fields)
+    env = torchrun_env()
+    if env is not None and env.rank != 0:  # torchrun's other ranks run shards; rank 0 serves HTTP
+        sys.exit(_serve_shard(env, config))
     log.info("loading %s with plugin %s", model or "the default model", plugin)
     try:
         deployment = load_deployment(config, static_batching=static_batching)
@@ -150,6 +163,38 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
             click.echo(f"ifb serve: {deployment.describe()}", err=True)
         click.echo(f"ifb serve: listening on http://{host}:{port}/v1 "
                    f"({'API key required' if api_key else 'no API key'})", err=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5))
+
+        def lost(error: BaseException) -> None:  # the engine failed every request: stop serving, exit non-zero
+            click.echo(f"ifb serve: {error}; stopping", err=True)
+            server.should_exit = True
+
+        deployment.engine.on_lost.append(lost)
+        server.run()
     finally:
         deployment.shutdown()
+    if deployment.engine.lost is not None:
+        sys.exit(3)
+
+
+def _num_ranks(tensor_parallel_size: int | None, env) -> int:
+    if env is None:
+        return tensor_parallel_size or 1
+    if tensor_parallel_size not in (None, env.world_size):
+        raise click.UsageError(f"--tensor-parallel-size {tensor_parallel_size} but torchrun started "
+                               f"{env.world_size} ranks (WORLD_SIZE)")
+    return env.world_size
+
+
+def _serve_shard(env, config: DeployConfig) -> int:
+    """A rank other than 0 under torchrun: load this rank's shard and run the steps rank 0 sends."""
+    from ifb.parallel.launch import run_shard
+    from ifb.plugins import default_host
+
+    host = default_host()
+    kind = host.kind(config.plugin)
+    resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
+    if resolved is not None:
+        config = attrs.evolve(config, model=str(resolved))
+    return run_shard(env, config, kind.load)

@@ -40,6 +40,7 @@ def action_options() -> dict[str, OptionSupport]:
 
 def declare(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
+        tensor_parallel_note="the action expert and its denoising loop run on one rank; they are not sharded",
         stepped_execution=True, seated_admission=True, max_batch_size=max(1, config.max_batch_size),
         num_ranks=config.num_ranks, batch_invariant_verified=False, options=action_options(),
         endpoints={"chat.completions": EndpointSupport.SERVED, "completions": EndpointSupport.ABSENT},

@@ -68,6 +68,7 @@ def diffusion_options() -> dict[str, OptionSupport]:
 def declare(config: DeployConfig) -> DeploymentCaps:
     # batch invariance: tests/plugins/diffusion/test_batching.py (staggered joins, answers equal to alone)
     return DeploymentCaps(
+        tensor_parallel_note="the denoising loop over a block runs on one rank; the model is not sharded",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH, num_ranks=config.num_ranks,
         batch_invariant_verified=True, options=diffusion_options(), endpoints=dict(TEXT_ENDPOINTS),
         supports_prefix_reuse=False,

@@ -46,6 +46,7 @@ def mamba_options() -> dict[str, OptionSupport]:
 def declare(config: DeployConfig) -> DeploymentCaps:
     device = str(config.options.get("device") or "cpu")
     return DeploymentCaps(
+        tensor_parallel_note="the Mamba-2 mixers' per-seat conv and SSM state are not sharded over ranks",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks,
         # Proven on CPU by tests/plugins/mamba (batched greedy == alone, bit for bit); not on CUDA yet.

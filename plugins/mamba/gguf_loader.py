@@ -1,6 +1,8 @@
 """Load a Nemotron-H or Granite 4.0 hybrid GGUF file, in the layout llama.cpp's converter writes.
 
-llama.cpp names the architectures ``nemotron_h`` and ``granitehybrid``. Its
+llama.cpp names the architectures ``nemotron_h`` and ``granitehybrid``; its converter
+writes ``nemotron_h_moe`` for any Nemotron-H whose config has MoE fields (transformers 5
+saves them for every Nemotron-H), read here as ``nemotron_h`` when no layer holds experts. Its
 converter stores ``A = -exp(A_log)`` as ``ssm_a [H, 1]``, ``D`` as ``[H, 1]``,
 the conv kernel squeezed to ``[C, K]``, ``dt_bias`` as ``ssm_dt.bias``, the
 gated norm as ``[groups, inner / groups]``, Q/K rows in its interleaved RoPE
@@ -8,7 +10,8 @@ order (for both families), and Granite's fused ``input_linear`` matrices split
 into gate and up (``ffn_{gate,up}_exps`` for the experts, ``ffn_{gate,up}_shexp``
 for the shared MLP when there are experts). Which layer is which comes from
 the per-layer ``attention.head_count_kv`` (attention where it is not 0) and,
-for Nemotron-H, ``feed_forward_length`` (an MLP where it is not 0). Every
+for Nemotron-H, ``feed_forward_length`` (an MLP where it is not 0) in llama.cpp's reading; here
+it comes from the tensors each layer holds (``_pattern`` says why). Every
 tensor is dequantized to float32 and renamed onto ``HybridModel``'s names.
 """
 
@@ -26,7 +29,7 @@ from ifb_plugins.common.loading.gguf import read_metadata
 from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, ConfigError,
                                       HybridConfig)
 
-ARCHS = {"nemotron_h": "nemotron_h", "granitehybrid": "granitemoehybrid"}
+ARCHS = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h", "granitehybrid": "granitemoehybrid"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")  # ssm_a, ssm_d: no suffix
 _MIXER = {"ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d", "ssm_out": "mixer.out_proj",
           "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
@@ -43,6 +46,26 @@ def _per_layer(value: Any, num_layers: int, key: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def _pattern(tensors: dict[str, np.ndarray], num_layers: int, family: str) -> str:
+    """Which layer is which, from the tensors each layer holds: a Mamba-2 mixer (``ssm_in``), attention
+    (``attn_q``), else (Nemotron-H) an MLP. The converter's per-layer metadata is not trusted for this:
+    given a config as transformers 5 saves it, llama.cpp's converter writes a Nemotron-H's MLP layers
+    with ``feed_forward_length`` 0 (it takes them for MoE layers) and a Granite hybrid's attention
+    layers with ``head_count_kv`` 0 (it looks for the layer type ``attention``, not ``full_attention``),
+    while the tensors it writes are right."""
+    kinds = []
+    for i in range(num_layers):
+        if f"blk.{i}.ssm_in.weight" in tensors:
+            kinds.append(MAMBA)
+        elif f"blk.{i}.attn_q.weight" in tensors:
+            kinds.append(ATTENTION)
+        elif family == "nemotron_h" and f"blk.{i}.ffn_up.weight" in tensors:
+            kinds.append(MLP)
+        else:
+            raise ConfigError(f"GGUF layer {i} holds no mixer this plugin knows (ssm_in, attn_q or ffn_up)")
+    return "".join(kinds)
+
+
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> HybridConfig:
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
@@ -55,23 +78,29 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -
             raise ConfigError(f"GGUF metadata {arch}.{name} is missing")
         return value
 
+    if arch == "nemotron_h_moe" and any(n.endswith("_exps.weight") for n in tensors):
+        raise ConfigError("this Nemotron-H GGUF has MoE layers, which this plugin does not load")
     num_layers = int(key("block_count"))
     kv_heads = _per_layer(key("attention.head_count_kv"), num_layers, "attention.head_count_kv")
     ff = _per_layer(key("feed_forward_length", 0), num_layers, "feed_forward_length")
-    if arch == "nemotron_h":
-        pattern = "".join(ATTENTION if kv else MLP if f else MAMBA for kv, f in zip(kv_heads, ff))
-    else:
-        pattern = "".join(ATTENTION if kv else MAMBA for kv in kv_heads)
+    pattern = _pattern(tensors, num_layers, ARCHS[arch])
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    attention = [i for i, kind in enumerate(pattern) if kind == ATTENTION]
+    mlps = [i for i, kind in enumerate(pattern) if kind == MLP]
+    if attention:  # the K rows, not the metadata (see _pattern)
+        kv_heads = [tensors[f"blk.{attention[0]}.attn_k.weight"].shape[0] // head_dim]
+    if mlps:
+        ff = [tensors[f"blk.{mlps[0]}.ffn_up.weight"].shape[0]]
     inner, mamba_heads = int(key("ssm.inner_size")), int(key("ssm.time_step_rank"))
     fields: dict[str, Any] = dict(
         family=ARCHS[arch], pattern=pattern, vocab_size=int(tensors["token_embd.weight"].shape[0]),
         hidden_size=hidden, num_heads=heads, num_kv_heads=max(kv_heads) or heads,
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         intermediate_size=max(ff), mamba_num_heads=mamba_heads, mamba_head_dim=inner // mamba_heads,
         ssm_state_size=int(key("ssm.state_size")), n_groups=int(key("ssm.group_count")),
-        conv_kernel=int(key("ssm.conv_kernel")), layer_norm_epsilon=float(key("attention.layer_norm_rms_epsilon")),
+        conv_kernel=int(key("ssm.conv_kernel")), layer_norm_epsilon=float(key("attention.layer_norm_rms_epsilon", meta.get(f"{arch}.attention.layer_norm_epsilon"))),
         tie_word_embeddings="output.weight" not in tensors,
         use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in tensors) or MAMBA not in pattern,
         mamba_proj_bias=any(n.endswith("ssm_in.bias") for n in tensors),

@@ -75,6 +75,7 @@ def declare_omni(config: DeployConfig) -> DeploymentCaps:
     # The Thinker is the text plugin's runtime: its batch invariance is the text plugin's, proven by its tests
     # (and re-checked on the bundle by tests/plugins/speech).
     return DeploymentCaps(
+        tensor_parallel_note="the Thinker's audio encoder and the Talker pipeline run on one rank; they are not sharded",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks, batch_invariant_verified=True, options=omni_options(config),
         endpoints=dict(OMNI_ENDPOINTS))
@@ -82,6 +83,7 @@ def declare_omni(config: DeployConfig) -> DeploymentCaps:
 
 def declare_tts(config: DeployConfig) -> DeploymentCaps:
     return DeploymentCaps(
+        tensor_parallel_note="the TTS pipeline runs on one rank; it is not sharded",
         stepped_execution=False, seated_admission=False, max_batch_size=1, num_ranks=config.num_ranks,
         options=tts_options(), endpoints=dict(TTS_ENDPOINTS), notes=TTS_NOTE,
         supports_prefix_reuse=False, prefix_reuse_note="a TTS model keeps no KV prefix to reuse")

@@ -4,19 +4,41 @@ Mixtral, Qwen2-MoE and Qwen3-MoE under in-flight batching."""
 from __future__ import annotations
 
 from ifb import hookimpl
-from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
+from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind, MatrixVariant, OptionSupport, Support
 from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options
 from ifb_plugins.text.options import SETTINGS, ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
 TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 
 
+#: what a tensor-parallel deployment has on no path (its ranks run only the scheduled steps)
+_TP_ABSENT = {
+    "lora": OptionSupport(Support.NOT_APPLICABLE, reason="LoRA adapters are not sharded over ranks.",
+                          alternative="Serve adapters on one rank."),
+    "save_system_prompt_kv_cache": OptionSupport(
+        Support.NOT_APPLICABLE, reason="The legacy capture prefills outside the scheduled steps the ranks run.",
+        alternative="Use the context cache (--enable-context-reuse)."),
+}
+
+
 def declare(config: DeployConfig) -> DeploymentCaps:
+    options = text_options(context_reuse=config.enable_context_reuse)
+    if config.num_ranks > 1:
+        options.update(_TP_ABSENT)
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=text_options(context_reuse=config.enable_context_reuse),
-        endpoints=dict(TEXT_ENDPOINTS),
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=options,
+        endpoints=dict(TEXT_ENDPOINTS), supports_tensor_parallel=True,
     )
+
+
+VARIANTS = (
+    MatrixVariant("Text LLM, single rank", DeployConfig(plugin="text", enable_in_flight_batching=True)),
+    MatrixVariant("Text LLM, tensor parallelism", DeployConfig(plugin="text", enable_in_flight_batching=True, num_ranks=2),
+                  note="--tensor-parallel-size N: ranks spawned on this machine or started by torchrun (gloo on "
+                       "CPU, NCCL on CUDA); float32 weights (a GGUF is dequantized); mixture-of-experts layers "
+                       "replicated on every rank."),
+)
 
 
 def load(config: DeployConfig):
@@ -31,7 +53,7 @@ def ifb_deployment_kinds():
         name="text", plugin="text", title="Text LLM, single rank", declare=declare, load=load,
         description="Llama-family decoder (mixtures of experts included: Mixtral, Qwen2-MoE, Qwen3-MoE) "
                     "from a GGUF file or a Hugging Face safetensors directory",
-        settings=TEXT_SETTINGS, is_default=True)]
+        settings=TEXT_SETTINGS, is_default=True, variants=VARIANTS)]
 
 
 @hookimpl

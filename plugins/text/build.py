@@ -133,6 +133,8 @@ def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> 
 
 def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack: StackChoice = "auto") -> TextRuntime:
     """The text deployment's runtime (``layer_stack``: see ``StackChoice``; benchmarks compare them)."""
+    if config.num_ranks > 1:
+        return load_text_shard(config, caps)
     path = Path(config.model)
     from ifb_plugins.text.families import family_of_dir, load_family_runtime
 
@@ -155,3 +157,40 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack
         runtime.step_torch_threads = 1
     runtime.greedy_argmax = prepared.argmax
     return runtime
+
+
+def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
+    """This rank's shard of a tensor-parallel deployment (``ifb.parallel``): the float32 model, sharded."""
+    from ifb.parallel import current
+    from ifb_plugins.common.models.tensor_parallel import check_shardable, shard_text_model
+    from ifb_plugins.common.runtime.text import kv_bytes_per_token, kv_capacity_tokens, max_model_len_for
+
+    ctx = current()
+    if ctx is None or ctx.world_size != config.num_ranks:
+        raise RuntimeError(f"a {config.num_ranks}-rank text deployment loads inside ifb.parallel's ranks")
+    if lora_enabled(config):
+        raise ValueError("LoRA adapters are not served under tensor parallelism (they hook the whole projections)")
+    mode = config.options.get("quantization") or "auto"
+    if mode not in ("auto", "none"):
+        raise ValueError(f"quantization {mode!r} runs the GGUF's blocks, which tensor parallelism does not shard "
+                         f"yet: use quantization none (or auto, which is none under tensor parallelism)")
+    path = Path(config.model)
+    loaded = load_checkpoint(path, defer_quantized=False)
+    check_shardable(loaded.config, ctx.world_size)  # before the weights are built
+    model = shard_text_model(build_model(loaded, dtype=torch.float32), ctx)
+    kv_dtype = KV_CACHE_DTYPES.get(config.options.get("kv_cache_dtype") or "auto") or torch.float32
+    if config.max_kv_cache_capacity is None:
+        # every rank holds the same block ids: the pool is what the tightest rank affords
+        device = next(model.parameters()).device
+        mine = kv_capacity_tokens(config, max_model_len_for(model, config), kv_bytes_per_token(model, kv_dtype), device)
+        agreed = torch.tensor([mine], dtype=torch.int64)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
+        config = attrs.evolve(config, max_kv_cache_capacity=int(agreed.item()))
+    name = config.options.get("served_model_name") or model_name_for(path)
+    if ctx.rank == 0:
+        c = loaded.config
+        log.info("loaded %s (%s, %d layers, hidden %d; float32, rank 0 of %d: %d of %d heads, %d of %d KV heads)",
+                 name, loaded.source, c.num_layers, c.hidden_size, ctx.world_size, model.config.num_heads,
+                 c.num_heads, model.config.num_kv_heads, c.num_kv_heads)
+    return TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
+                       kv_dtype=kv_dtype)

@@ -27,7 +27,6 @@ FIXTURES = ROOT / "tests" / "fixtures"
      "max_batch_size 4 > 1 needs seated admission"),
     (text_caps(max_batch_size=2), DeployConfig(max_batch_size=4),
      "max_batch_size 4 exceeds the batch size the runtime was built for \\(2\\)"),
-    (text_caps(num_ranks=2), DeployConfig(), "spans 2 ranks; the in-flight engine drives 1"),
     (text_caps(supports_prefix_reuse=False, prefix_reuse_note="no state checkpoints"),
      DeployConfig(enable_context_reuse=True), "--enable-context-reuse is not supported.*no state checkpoints"),
 ])

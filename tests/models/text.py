@@ -322,3 +322,25 @@ def build_on_blocks(loaded: Any, raw: Mapping[str, Any] | None = None, backend: 
     parts = BlockParts(loaded.config, read_gguf_tensors(loaded.path) if raw is None else raw, loaded.state_dict,
                        backend, activations=activations, deferred=loaded.deferred, layer_stack=layer_stack)
     return build_model(loaded, parts=parts), parts.report
+
+
+def save_tiny_llama(directory: str | Path, seed: int = 0, *, num_heads: int = 4, num_kv_heads: int = 2,
+                    hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2, vocab_size: int = 320,
+                    bias: bool = False, tie_word_embeddings: bool = False) -> Path:
+    """A random-weight Llama built by transformers' ``LlamaForCausalLM`` and written with ``save_pretrained``
+    (``bias``: on the attention projections and the MLP), with the tiny tokenizer and a ChatML template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.moe import randomize, save_tokenizer_files
+
+    directory = Path(directory)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, attention_bias=bias, mlp_bias=bias,
+                         tie_word_embeddings=tie_word_embeddings, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(directory)
+    save_tokenizer_files(directory)
+    return directory

@@ -282,6 +282,16 @@ def sample(
     return results
 
 
+def sampled_rows(seqs: Sequence[ScheduledSeq]) -> list[tuple[int, int]]:
+    """``(index in seqs, row of the step's tokens)`` of each sampling sequence's last token."""
+    rows, last = [], -1
+    for i, s in enumerate(seqs):
+        last += len(s.token_ids)
+        if s.is_sampling:
+            rows.append((i, last))
+    return rows
+
+
 def sample_step(
     seqs: Sequence[ScheduledSeq],
     seats: Sequence[Seat],
@@ -299,11 +309,7 @@ def sample_step(
     With ``guided``, rows whose sequence carries a grammar are masked before sampling
     and their grammars advanced after.
     """
-    rows, last = [], -1
-    for i, s in enumerate(seqs):
-        last += len(s.token_ids)
-        if s.is_sampling:
-            rows.append((i, last))
+    rows = sampled_rows(seqs)
     results: dict[int, SeqOutput] = {}
     if rows:
         logits = compute_logits(hidden[[t for _, t in rows]])  # [N, V]

@@ -42,7 +42,8 @@ replaces ``native``, e.g. ``x86-64-v3`` for the AVX2 code on an AVX-512 CPU) int
 the user cache directory, keyed by every source file, the compiler, the flags and
 the CPU's feature flags. Without a
 compiler, or on a CPU with neither AVX2 nor AVX-512, ``load()`` returns None
-with a warning and the caller falls back to another path.
+with a warning and the caller falls back to another path; ``require()`` raises
+``KernelsUnavailable`` with the reason (the compiler's error) instead.
 """
 
 from __future__ import annotations
@@ -329,12 +330,28 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class KernelsUnavailable(RuntimeError):
+    """The kernels cannot be built or loaded here; the message says why (the compiler's error, if any)."""
+
+
 def load(march: str | None = None) -> Kernels | None:
     """The compiled kernels, building them on first use; None (with a warning) when that is impossible.
 
     ``march``: the ``-march`` target, by default ``$IFB_KERNEL_MARCH`` or ``native``.
     """
-    return _load(march or os.environ.get("IFB_KERNEL_MARCH") or "native")
+    try:
+        return require(march)
+    except KernelsUnavailable as exc:
+        log.warning("native GGUF kernels unavailable: %s", exc)
+        return None
+
+
+def require(march: str | None = None) -> Kernels:
+    """``load``, but raising ``KernelsUnavailable`` (with the compiler's error) instead of returning None."""
+    loaded = _load(march or os.environ.get("IFB_KERNEL_MARCH") or "native")
+    if isinstance(loaded, KernelsUnavailable):
+        raise loaded
+    return loaded
 
 
 def forget_loaded() -> None:
@@ -342,33 +359,40 @@ def forget_loaded() -> None:
     _load.cache_clear()
 
 
+def compiler_version(compiler: str) -> str:
+    """``compiler --version``'s output (part of a build's cache key)."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"{compiler} --version failed ({exc})") from exc
+
+
 @functools.cache
-def _load(march: str) -> Kernels | None:
+def _load(march: str) -> Kernels | KernelsUnavailable:
+    """The build for ``march``, or why there is none (kept too: a failed build is not retried)."""
+    try:
+        return _build_and_load(march)
+    except KernelsUnavailable as exc:
+        return exc
+
+
+def _build_and_load(march: str) -> Kernels:
     try:
         files = sources()
     except OSError as exc:
-        log.warning("native GGUF kernels unavailable: %s/%s is missing (%s)", SOURCE_DIR, SOURCE_NAME, exc)
-        return None
+        raise KernelsUnavailable(f"{SOURCE_DIR}/{SOURCE_NAME} is missing ({exc})") from exc
     compiler = find_compiler()
     if compiler is None:
-        log.warning("native GGUF kernels unavailable: no C compiler (set CC or install cc)")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("native GGUF kernels unavailable: %s --version failed (%s)", compiler, exc)
-        return None
+        raise KernelsUnavailable("no C compiler (set CC or install cc)")
     flags = (*CFLAGS, f"-march={march}")
-    target = cache_dir() / f"qkernels-{build_key(files, version, flags)}.so"
+    target = cache_dir() / f"qkernels-{build_key(files, compiler_version(compiler), flags)}.so"
     try:
         if not target.exists():
             log.info("compiling native GGUF kernels into %s", target)
             _build(files, compiler, flags, target)
         kernels = Kernels(ctypes.CDLL(str(target)), target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native GGUF kernels unavailable: %s", exc)
-        return None
+        raise KernelsUnavailable(str(exc)) from exc
     if kernels.isa == 0:
-        log.warning("native GGUF kernels unavailable: this CPU has neither AVX2 nor AVX-512")
-        return None
+        raise KernelsUnavailable("this CPU has neither AVX2 nor AVX-512")
     return kernels

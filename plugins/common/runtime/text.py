@@ -30,7 +30,7 @@ from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
 from ifb_plugins.common.runtime.lora import LoraAdapter, LoraSet, step_groups
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids, render_chat
-from ifb_plugins.common.decoding.sampling import sample_step
+from ifb_plugins.common.decoding.sampling import sample_step, sampled_rows
 from ifb_plugins.common.runtime.syscache import SystemPromptCache, system_prefix_length
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -81,6 +81,26 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
+def max_model_len_for(model: TextModel, config: DeployConfig) -> int:
+    """The longest context a runtime over ``model`` serves: the model's, ``max_model_len`` if smaller."""
+    limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
+    length = min(model.config.max_position_embeddings, limit)
+    if model.config.sliding_window and not getattr(model, "applies_sliding_window", False):
+        # attention here is full-context: within the window it equals sliding-window attention,
+        # beyond it it would not, so the context stops at the window
+        length = min(length, model.config.sliding_window)
+    return length
+
+
+def kv_bytes_per_token(model: TextModel, kv_dtype: torch.dtype) -> int:
+    """KV bytes one context token takes in ``model``'s cache (a sharded model: this rank's KV heads)."""
+    c = model.config
+    element_size = torch.empty((), dtype=kv_dtype).element_size()
+    if hasattr(model, "allocate_kv_caches"):  # its layers' KV shapes differ: the family counts them
+        return c.kv_bytes_per_token(element_size)
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size
+
+
 @attrs.frozen
 class MediaState:
     """A prompt's media as ``media.prompt.expand_media`` placed it: embeddings and, for M-RoPE, positions."""
@@ -112,21 +132,12 @@ class TextRuntime:
         self.caps = caps
         self.model_name = model_name
         self.lora = lora or LoraSet(model, {})
-        limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
-        self.max_model_len = min(model.config.max_position_embeddings, limit)
-        if model.config.sliding_window and not getattr(model, "applies_sliding_window", False):
-            # attention here is full-context: within the window it equals sliding-window attention,
-            # beyond it it would not, so the context stops at the window
-            self.max_model_len = min(self.max_model_len, model.config.sliding_window)
+        self.max_model_len = max_model_len_for(model, config)
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
-        c = model.config
-        element_size = torch.empty((), dtype=kv_dtype).element_size()
-        # a family whose layers differ in KV shape (Gemma 4) lays out its own caches
+        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model, kv_dtype), self.device)
+        # a family whose layers differ in KV shape (Gemma 4, gpt-oss) lays out its own caches
         own_layout = getattr(model, "allocate_kv_caches", None)
-        bytes_per_token = (c.kv_bytes_per_token(element_size) if own_layout else
-                           2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size)
-        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
         if own_layout:
             self.kv_caches = own_layout(self.num_kv_blocks, KV_BLOCK_SIZE, kv_dtype, self.device)
@@ -200,6 +211,17 @@ class TextRuntime:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute_shard(self, step: ScheduledStep) -> None:
+        """A tensor-parallel rank other than 0: this rank's shard of the step's forward (its KV heads'
+        share written to its cache), and its share of the logits rank 0 samples from (``sample_step``'s rows)."""
+        seats = self.seats.apply(step)
+        self.copy_blocks(step.block_copies)  # each rank forks its own KV share of the blocks
+        hidden = self._hidden(step, seats)
+        rows = [t for _, t in sampled_rows(step.seqs)]
+        if rows:
+            self.model.compute_logits(hidden[rows])
 
     def _hidden(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """The last layer's hidden states ``[T, H]`` of the step's tokens (their KV written to the cache)."""

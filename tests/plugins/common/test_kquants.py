@@ -26,9 +26,10 @@ from tests.models.text import (
     build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf,
 )
 from tests.plugins.common.test_loaders import prefill_logits
+from tests.native import kernels_or_none, needs_kernels
 
 Q = gguf.GGMLQuantizationType
-KERNELS = qkernels.load()
+KERNELS = kernels_or_none()
 NEW_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 #: byte offsets of each block's float16 fields (the rest of a block is codes and packed scales)
 F16_OFFSETS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2],
@@ -169,7 +170,7 @@ def test_torch_matmul_against_gguf_dequantization_and_alone_like_batched(qtype: 
         linear(x[:, :256])
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("activations", ["int16", "int8"])
 def test_torch_integer_path_gives_the_native_kernels_bits(qtype: Q, activations: str) -> None:
@@ -190,9 +191,8 @@ def test_q5_0_as_q8_0_keeps_every_weight() -> None:
     assert torch.equal(converted.dequantize(), quant.BlockWeight(Q.Q5_0, torch.from_numpy(raw), 256).dequantize())
 
 
+@needs_kernels
 def test_kquant_kinds_refuse_float32_activations() -> None:
-    if KERNELS is None:
-        pytest.skip("the native kernels cannot be built here")
     weight = quant.BlockWeight(Q.Q4_K, torch.from_numpy(random_blocks(Q.Q4_K, 16, 256)), 256)
     with pytest.raises(ValueError, match="int16 or int8"):
         quant.BlockLinear(weight, None, KERNELS, activations="float32")
@@ -220,7 +220,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param("native", marks=pytest.mark.skipif(KERNELS is None, reason="no native kernels")),
+    pytest.param("native", marks=needs_kernels),
     pytest.param("torch-int4", marks=pytest.mark.skipif(not quant_torch.supported(), reason="no int4 kernel"))])
 def test_mixed_gguf_runs_each_tensor_on_its_type_and_decodes_as_float32(mixed_gguf: Path,
                                                                        backend: quant.Backend) -> None:
@@ -269,7 +269,7 @@ Q4_K_M = {"token_embd.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q4_K for i
           "blk.1.ffn_down.weight": Q.Q4_K, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q5_0}
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_path: Path) -> None:
     from ifb_plugins.common.models.native_decoder import NativeDecoder
     from ifb_plugins.common.models.parts import TorchLayerStack
@@ -296,7 +296,7 @@ def test_q4_k_m_runs_on_the_native_decoder_with_q_k_v_on_their_own_kinds(tmp_pat
     assert batched == greedy_generate_batch(modules, PROMPTS, 8, block_size=4)
 
 
-@pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+@needs_kernels
 @pytest.mark.parametrize("tied", [True, False])
 def test_deferred_matrices_are_never_dequantized_and_the_model_is_the_same(tmp_path: Path, tied: bool) -> None:
     from ifb_plugins.common.loading.gguf import materialize

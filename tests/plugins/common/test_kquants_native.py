@@ -9,10 +9,11 @@ import torch
 
 from ifb_plugins.common.quant import kernels as qkernels, linear as quant, int4_torch as quant_torch
 from tests.plugins.common.test_kquants import NEW_TYPES, random_blocks
+from tests.native import needs_kernels
 from tests.plugins.common.test_quant import KERNEL_BUILD_NAMES, KERNEL_BUILDS, KERNELS, restored_threads
 
 Q = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+pytestmark = needs_kernels
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES)

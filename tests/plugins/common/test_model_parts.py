@@ -25,10 +25,10 @@ from tests.models.text import (
     build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf,
 )
 from tests.plugins.common.test_loaders import prefill_logits
+from tests.native import kernels_or_none, needs_kernels
 
 Q = gguf.GGMLQuantizationType
-KERNELS = qkernels.load()
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+KERNELS = kernels_or_none()
 PROMPTS = [[5, 17, 33], list(range(40, 61)), [7] * 9, [250, 12, 3, 8]]
 
 

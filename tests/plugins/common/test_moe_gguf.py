@@ -22,12 +22,12 @@ from ifb_plugins.common.models.parts import TorchLayerStack
 from tests.models.text import build_on_blocks, greedy_generate_batch
 from tests.models.moe import save_tiny_moe, write_moe_gguf
 from tests.helpers import submit_staggered
+from tests.native import needs_kernels
 from tests.plugins.common.test_loaders import prefill_logits
 
 Q = gguf.GGMLQuantizationType
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 PROMPTS = [[5, 17, 33, 90, 4, 200, 11, 7, 61], [3, 4, 5], list(range(10, 40)), [250, 12]]
-needs_kernels = pytest.mark.skipif(qkernels.load() is None, reason="the native kernels cannot be built here")
 
 
 

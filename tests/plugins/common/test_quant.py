@@ -25,10 +25,10 @@ from ifb_plugins.common.models.native_decoder import NativeDecoder
 from ifb_plugins.common.models.parts import TorchLayerStack
 from tests.models.text import build_on_blocks, greedy_generate, greedy_generate_batch, save_tiny_checkpoint, save_tiny_gguf
 from tests.plugins.common.test_loaders import prefill_logits
+from tests.native import kernels_or_none, needs_kernels
 
 Q = gguf.GGMLQuantizationType
-KERNELS = qkernels.load()
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the native kernels cannot be built here")
+KERNELS = kernels_or_none()
 needs_int4 = pytest.mark.skipif(not quant_torch.supported(), reason="torch has no int4 CPU kernel")
 
 
@@ -36,9 +36,9 @@ def _other_builds() -> list[tuple[str, qkernels.Kernels | None]]:
     """Where the CPU runs them: the AVX2 code, and the AVX-512 code without VNNI."""
     if KERNELS is None or KERNELS.isa != 512:
         return []
-    builds = [("avx2", qkernels.load("x86-64-v3"))]
+    builds = [("avx2", kernels_or_none("x86-64-v3"))]
     if "avx512_vnni" in qkernels.cpu_signature():  # the feature flags the native build keys on
-        builds.append(("avx512", qkernels.load("skylake-avx512")))
+        builds.append(("avx512", kernels_or_none("skylake-avx512")))
     return builds
 
 
@@ -168,20 +168,25 @@ def test_15_bit_codes_at_the_seam_of_their_two_passes(build: int) -> None:
 
 
 @needs_kernels
-@pytest.mark.skipif(len(KERNEL_BUILDS) < 2, reason="this CPU runs one build of the kernels")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 @pytest.mark.parametrize("activations", ["int16", "int8"])
-def test_integer_matmul_gives_the_same_bits_on_every_instruction_set(qtype: Q, activations: str) -> None:
-    # integer block sums, then the same float32 operations in the same order: the AVX-512 (VNNI
-    # or not) and AVX2 codes agree to the bit, so a checkpoint's output does not depend on the CPU
-    block = random_blocks(qtype, 70, 96, seed=8)
+def test_integer_matmul_gives_the_same_bits_on_every_instruction_set_it_runs(qtype: Q, activations: str) -> None:
+    # integer block sums, then the same float32 operations in the same order: every build this CPU
+    # runs (AVX2 everywhere; AVX-512 with and without VNNI, and AMX, where the CPU has them) gives
+    # the bits of the torch reference, so a checkpoint's output does not depend on the CPU. The
+    # builds a CPU cannot run are compiled by test_every_instruction_set_variant_compiles.
+    raw = torch.from_numpy(gguf.quants.quantize(
+        torch.randn(70, 96, generator=torch.Generator().manual_seed(8)).numpy(), qtype))
+    reference = quant_torch.BlockTorchLinear(qtype, raw, 96, None, activations=activations)
+    block = quant.BlockWeight(qtype, raw, 96)
     # on an AMX CPU, 37 rows are two tiles of 16 rows and 5 rows on the vector code; 45 rows are
     # three tiles, the last one of 13 rows padded with zero rows
     for num_rows in (37, 45):
         x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(9)) * 3
-        outs = [quant.BlockLinear(block, None, kernels, activations=activations)(x)  # type: ignore[arg-type]
-                for kernels in KERNEL_BUILDS if kernels is not None]
-        assert len(outs) == len(KERNEL_BUILDS) and all(torch.equal(out, outs[0]) for out in outs[1:])
+        want = reference(x)
+        for name, kernels in zip(KERNEL_BUILD_NAMES, KERNEL_BUILDS):
+            assert kernels is not None, f"the {name} build does not load"
+            assert torch.equal(quant.BlockLinear(block, None, kernels, activations=activations)(x), want), name
 
 
 @needs_kernels
@@ -369,5 +374,29 @@ def test_kernels_without_a_compiler_fall_back_loudly(monkeypatch: pytest.MonkeyP
             backend = quant.choose_backend()
         assert "no C compiler" in caplog.text
         assert backend == ("torch-int4" if quant_torch.supported() else None)
+    finally:
+        qkernels.forget_loaded()
+
+
+def test_a_failed_build_fails_the_tests_that_need_it_with_the_compilers_error(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tests import native
+
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo broken-cc 1; exit 0; }\n"
+                      "echo 'qkernels.c:1:1: error: expected declaration' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("IFB_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.delenv(native.OPT_OUT, raising=False)
+    qkernels.forget_loaded()
+    try:
+        with pytest.raises(qkernels.KernelsUnavailable, match="error: expected declaration"):
+            qkernels.require()
+        with pytest.raises(pytest.fail.Exception, match="do not build or load: .*error: expected declaration"):
+            native.require_native_kernels()
+        monkeypatch.setenv(native.OPT_OUT, "1")  # only the explicit opt-out turns it into a skip
+        with pytest.raises(pytest.skip.Exception, match=native.OPT_OUT):
+            native.require_native_kernels()
     finally:
         qkernels.forget_loaded()

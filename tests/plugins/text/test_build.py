@@ -94,3 +94,21 @@ def test_kv_cache_dtype_option() -> None:
     assert kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "float16"}), "none", torch_path) == torch.float16
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16"):
         kv_cache_dtype(DeployConfig(options={"kv_cache_dtype": "int4"}), "auto", native)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "weights-only"])
+def test_int8_and_weights_only_batch_like_solo_with_staggered_arrivals(tiny_gguf: Path, quantization: str) -> None:
+    # the same engine-level check as the default mode's: chunked prefills of joiners share steps
+    # with residents' decodes, and every request's greedy tokens are those it gets alone
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(str(tiny_gguf), quantization=quantization, enable_in_flight_batching=True, max_batch_size=4,
+             max_num_batched_tokens=16) as llm:
+        down = llm.deployment.runtime.model.model.layers[0].mlp.down_proj
+        assert isinstance(down, quant.BlockLinear) and down.activations == {"int8": "int8",
+                                                                            "weights-only": "float32"}[quantization]
+        alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
+                 for p in PROMPTS]
+        batched = submit_staggered(llm.engine, [RequestSpec(prompt_token_ids=tuple(p), params=params)
+                                                for p in PROMPTS], gap_steps=1, min_joined=2)
+        assert [list(r.token_ids) for r in batched] == alone

@@ -54,7 +54,7 @@ def ours(loaded: LoadedCheckpoint) -> TextModel:
 
 @pytest.fixture(scope="module")
 def hf(loaded: LoadedCheckpoint) -> torch.nn.Module:
-    pytest.importorskip("accelerate")  # transformers 5 loads GGUF only with accelerate
+    import accelerate  # noqa: F401 - transformers 5 loads GGUF only with accelerate (in the test extra)
     from transformers import AutoModelForCausalLM
 
     path = loaded.path

@@ -119,7 +119,7 @@ def test_bad_pruner_fails_at_start_up(vlm_checkpoint):
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from ifb_plugins.common.models.config import TextModelConfig
     from ifb_plugins.vlm.checkpoint import with_text_defaults
 
@@ -131,7 +131,7 @@ def test_sparse_hub_text_configs_get_the_reference_defaults(model_type):
 
 @pytest.mark.parametrize("model_type", ["clip_vision_model", "siglip_vision_model"])
 def test_vision_configs_get_the_reference_defaults(model_type):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from ifb_plugins.common.media.vision import VisionConfig
 
     reference = transformers.AutoConfig.for_model(model_type).to_dict()
@@ -139,7 +139,7 @@ def test_vision_configs_get_the_reference_defaults(model_type):
 
 
 def test_audio_configs_get_the_reference_defaults():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from ifb_plugins.vlm.qwen2_audio import AudioConfig, FeatureExtraction
 
     assert AudioConfig.from_hf({}) == AudioConfig.from_hf(transformers.Qwen2AudioEncoderConfig().to_dict())

@@ -22,7 +22,7 @@ from tests.plugins.vlm.tiny_qwen2_5_vl import (
     IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID, load_processor, save_tiny_qwen2_5_vl,
 )
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 #: (height, width): kept, rounded, grown to min_pixels, shrunk to max_pixels, non-square, partial windows
 SIZES = [(56, 56), (50, 90), (20, 30), (300, 500), (57, 211), (130, 75)]

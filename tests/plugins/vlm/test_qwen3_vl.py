@@ -20,7 +20,7 @@ from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, ours, picture, refer
 from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen3_vl
 from tests.helpers import one_seat_step
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)

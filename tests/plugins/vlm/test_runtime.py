@@ -188,7 +188,7 @@ def test_context_reuse_never_shares_kv_between_different_images(vlm_checkpoint):
 
 
 def test_server_answers_bad_media_with_400(llm):
-    app_module = pytest.importorskip("ifb.server.app")
+    from ifb.server import app as app_module
     app = app_module.build_app(llm.deployment)
 
     async def post(content):

@@ -1,0 +1,81 @@
+"""Tensor parallelism on two gloo ranks (``LLM(tensor_parallel_size=2)``): the sharded model's logits
+and greedy output are the one-rank model's, under in-flight batching (staggered arrivals, mid-flight
+joins, preemption, the context cache across ranks) and on the blocking path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ifb import LLM, SamplingParams
+from ifb.params import RequestSpec
+from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.models.tensor_parallel import check_shardable
+from tests.models.moe import save_tiny_moe
+from tests.models.text import save_tiny_llama
+
+PROMPTS = [list(range(5 + 3 * i, 5 + 3 * i + n)) for i, n in enumerate([9, 14, 6, 11])]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+#: a pool too small for the four answers: the youngest residents are preempted and recomputed
+TIGHT = dict(enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16, max_kv_cache_capacity=80)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # biases on every projection: the row-parallel layers add theirs once, after the all-reduce
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), seed=3, bias=True)
+
+
+def staggered(llm: LLM, prompts=PROMPTS) -> list:
+    """The prompts submitted two at a time, the later two once the first answer is streaming."""
+    handles = [llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=PARAMS)) for p in prompts[:2]]
+    first = iter(handles[0])
+    head = [next(first)]
+    handles += [llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=PARAMS)) for p in prompts[2:]]
+    results = [head + list(first)] + [list(h) for h in handles[1:]]
+    return [([t for o in outs for t in o.token_ids], [lp.logprob for o in outs for lp in o.logprobs])
+            for outs in results]
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint):
+    with LLM(str(checkpoint), **TIGHT) as llm:
+        return staggered(llm), llm.health()["scheduling"]
+
+
+def test_two_ranks_serve_the_one_rank_tokens_under_in_flight_batching(checkpoint, one_rank):
+    want, want_counts = one_rank
+    with LLM(str(checkpoint), tensor_parallel_size=2, enable_context_reuse=True, **TIGHT) as llm:
+        assert llm.deployment.caps.num_ranks == 2 and llm.engine.is_in_flight
+        got = staggered(llm)
+        # the same prompt again: its full blocks come from the context cache, each rank's KV share with them
+        again = staggered(llm, PROMPTS[:1])
+        health = llm.health()
+    counts = health["scheduling"]
+    assert counts["admitted_mid_flight"] > 0 and counts["preempted"] > 0 and want_counts["preempted"] > 0
+    assert counts["completed"] == len(PROMPTS) + 1 and counts["failed"] == 0
+    assert health["prefix_cache"]["hits"] > 0
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    assert again[0][0] == want[0][0]
+    for (_, lp), (_, want_lp) in zip(got, want):
+        assert lp == pytest.approx(want_lp, abs=1e-5)
+
+
+def test_a_mixture_of_experts_on_two_ranks_on_the_blocking_path(tmp_path):
+    # experts replicated on every rank, attention sharded; requests one at a time on two ranks
+    directory = save_tiny_moe(tmp_path / "moe", "qwen3_moe", seed=5)
+    with LLM(str(directory), enable_in_flight_batching=True) as llm:
+        handles = [llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=PARAMS)) for p in PROMPTS[:3]]
+        want = [list(h.result().token_ids) for h in handles]
+    with LLM(str(directory), tensor_parallel_size=2) as llm:
+        assert not llm.engine.is_in_flight and llm.deployment.caps.num_ranks == 2
+        handles = [llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=PARAMS)) for p in PROMPTS[:3]]
+        assert [list(h.result().token_ids) for h in handles] == want
+
+
+def test_heads_that_do_not_divide_are_refused_naming_the_numbers():
+    config = TextModelConfig(arch="llama", vocab_size=320, hidden_size=576, intermediate_size=1536, num_layers=2,
+                             num_heads=9, num_kv_heads=3, head_dim=64)
+    check_shardable(config, 3)
+    with pytest.raises(ValueError, match="divisible by 2: this model has 9 attention heads, 3 KV heads"):
+        check_shardable(config, 2)
