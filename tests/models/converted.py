@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from tests.models import llama_cpp
-from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
 from tests.models.moe import randomize, save_tiny_moe
 from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
 
@@ -59,6 +59,8 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen3_moe": lambda d: save_tiny_moe(d, "qwen3_moe", seed=6),
     "mixtral": lambda d: save_tiny_moe(d, "mixtral", seed=7),
     "nemotron_h": lambda d: save_tiny_nemotron_h(d, seed=8),
+    # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
+    "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
     # Granite 4.0 hybrids use no position embedding ("nope"), which is what llama.cpp converts
     "granitemoehybrid": lambda d: save_tiny_granite_hybrid(d, seed=9, position_embedding_type="nope"),
     # and without experts, its head tied to the embedding, as Granite 4.0-H is

@@ -107,3 +107,28 @@ def test_an_unsupported_variant_is_refused_naming_the_field(model_dir, tmp_path,
         (tmp_path / name).write_text((model_dir / name).read_text())
     with pytest.raises(ConfigError, match=words):
         load_hybrid_dir(tmp_path)
+
+
+def test_the_gguf_of_llama_cpps_converter_computes_what_the_directory_does(llama_cpp_families):
+    """llama.cpp's ``nemotron_h_moe`` file (float32): the same logits as transformers, the same served tokens."""
+    import gguf
+
+    family = llama_cpp_families["nemotron_3"]
+    path = family.ggufs["f32"]
+    reader = gguf.GGUFReader(str(path))
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "nemotron_h_moe"
+    model = build_hybrid_model(load_hybrid_dir(path))
+    assert model.config.pattern == "ME*EM-E" and model.config.num_expert_groups == 4
+    reference = hf_reference(family.hf_dir)
+    for ids in PROMPTS[:2]:
+        with torch.no_grad():
+            torch.testing.assert_close(our_logits(model, ids), reference(torch.tensor([ids])).logits[0],
+                                       atol=1e-4, rtol=0)
+    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(max_tokens=12, **GREEDY))
+             for ids in PROMPTS]
+    served = []
+    for source in (family.hf_dir, path):
+        with LLM(model=str(source), plugin="mamba", enable_in_flight_batching=True, max_batch_size=4,
+                 max_num_batched_tokens=8) as llm:
+            served.append([r.token_ids for r in submit_staggered(llm.engine, specs, gap_steps=2)])
+    assert served[0] == served[1]
