@@ -4,7 +4,8 @@ Their layers differ from the Llama-family ``TextModel`` (per-layer KV shapes,
 KV sharing, attention sinks, sliding windows), so each is a shared-layer
 module (``ifb_plugins.common.models.gemma4``, ``...gpt_oss``) with the same
 step interface, laying out its own KV caches; paging, prefix reuse, sampling
-and chat are the text runtime's. Hugging Face directories only, float32.
+and chat are the text runtime's. Hugging Face directories, and gpt-oss GGUF files as
+llama.cpp's converter writes them (dequantized to float32); float32 throughout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.models.gemma4 import Gemma4Config, Gemma4Model
-from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel
+from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel, read_gpt_oss_gguf
 from ifb_plugins.common.runtime.text import TextRuntime
 
 log = logging.getLogger("ifb.text")
@@ -43,8 +44,34 @@ def family_of_dir(path: Path) -> str | None:
     return model_type if model_type in FAMILIES or model_type in _REFUSED else None
 
 
+def is_gpt_oss_gguf(path: Path) -> bool:
+    """A ``.gguf`` file whose ``general.architecture`` is ``gpt-oss``."""
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return False
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
+
+
+def _build(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = model_cls(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
 def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, TextTokenizer]:
-    """The model (float32, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory."""
+    """The model (float32, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory,
+    or of a gpt-oss GGUF file."""
+    if is_gpt_oss_gguf(path):
+        config, state, meta = read_gpt_oss_gguf(path)
+        return _build(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
@@ -56,22 +83,13 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    state = load_hf_state_dict(path)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = model_cls(config)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
-    return model.to(device=device, dtype=torch.float32).eval(), tokenizer
+    return _build(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
 
 
 def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
     model, tokenizer = build_family_model(path, str(config.options.get("device") or "cpu"))
-    name = config.options.get("served_model_name") or path.name
+    name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
     log.info("loaded %s (%s, %d layers, hidden %d; float32)", name, type(model).__name__, model.config.num_layers,
              model.config.hidden_size)
     return TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)

@@ -16,6 +16,7 @@ import torch
 
 from tests.models import llama_cpp
 from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
+from tests.models.gpt_oss import save_tiny_gpt_oss
 from tests.models.moe import randomize, save_tiny_moe
 from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
 
@@ -61,6 +62,7 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "nemotron_h": lambda d: save_tiny_nemotron_h(d, seed=8),
     # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
     "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
+    "gpt_oss": lambda d: save_tiny_gpt_oss(d, seed=12),
     # Granite 4.0 hybrids use no position embedding ("nope"), which is what llama.cpp converts
     "granitemoehybrid": lambda d: save_tiny_granite_hybrid(d, seed=9, position_embedding_type="nope"),
     # and without experts, its head tied to the embedding, as Granite 4.0-H is

@@ -108,3 +108,26 @@ def test_an_unsupported_variant_is_refused_naming_the_field(model_dir, tmp_path,
     (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
     with pytest.raises(GptOssConfigError, match=field.split('_')[0]):
         build_gpt_oss(tmp_path)
+
+
+def test_the_gguf_of_llama_cpps_converter_serves_what_the_directory_serves(llama_cpp_families):
+    """llama.cpp's ``gpt-oss`` file: float32 gives the directory's logits and served tokens; q8_0 is refused."""
+    family = llama_cpp_families["gpt_oss"]
+    ours, _ = build_gpt_oss(family.ggufs["f32"])
+    reference, _ = build_gpt_oss(family.hf_dir)
+    with pytest.raises(GptOssConfigError, match="Q8_0"):  # block types are refused, naming the type
+        build_gpt_oss(family.ggufs["q8_0"])
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        def logits(model):
+            caches = model.allocate_kv_caches(8, 16, torch.float32, "cpu")
+            attn = build_attn_metadata([(0, len(ids), list(range(8)))], 16)
+            return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, caches))
+        torch.testing.assert_close(logits(ours), logits(reference), atol=1e-5, rtol=0)
+    specs = [RequestSpec(prompt_token_ids=tuple(p), params=SamplingParams(max_tokens=12, **GREEDY)) for p in PROMPTS]
+    served = []
+    for source in (family.hf_dir, family.ggufs["f32"]):
+        with LLM(model=str(source), plugin="text", enable_in_flight_batching=True, max_batch_size=4,
+                 max_num_batched_tokens=8) as llm:
+            served.append([r.token_ids for r in submit_staggered(llm.engine, specs, gap_steps=2)])
+    assert served[1] == served[0]
