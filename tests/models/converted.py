@@ -60,14 +60,20 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen3_moe": lambda d: save_tiny_moe(d, "qwen3_moe", seed=6),
     "mixtral": lambda d: save_tiny_moe(d, "mixtral", seed=7),
     "nemotron_h": lambda d: save_tiny_nemotron_h(d, seed=8),
-    # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
-    "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
-    "gpt_oss": lambda d: save_tiny_gpt_oss(d, seed=12),
     # Granite 4.0 hybrids use no position embedding ("nope"), which is what llama.cpp converts
     "granitemoehybrid": lambda d: save_tiny_granite_hybrid(d, seed=9, position_embedding_type="nope"),
     # and without experts, its head tied to the embedding, as Granite 4.0-H is
     "granite_dense": lambda d: save_tiny_granite_hybrid(d, seed=10, position_embedding_type="nope",
                                                         num_local_experts=0, tie_word_embeddings=True),
+}
+
+
+#: families converted in the same run whose GGUF tests live with the family's own tests
+#: (tests/plugins/mamba/test_nemotron_3.py, tests/plugins/text/test_gpt_oss.py)
+FAMILIES_TESTED_APART: dict[str, Callable[[Path], Path]] = {
+    # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
+    "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
+    "gpt_oss": lambda d: save_tiny_gpt_oss(d, seed=12),
 }
 
 
@@ -80,9 +86,10 @@ class Converted:
 
 
 def convert_families(root: Path) -> dict[str, Converted]:
-    """Every family of ``FAMILIES`` saved under ``root`` and converted to every ``llama_cpp.OUTTYPES``."""
+    """Every family of ``FAMILIES`` and ``FAMILIES_TESTED_APART`` saved under ``root`` and converted to
+    every ``llama_cpp.OUTTYPES``."""
     out = {}
-    for family, save in FAMILIES.items():
+    for family, save in {**FAMILIES, **FAMILIES_TESTED_APART}.items():
         hf_dir = save(root / family)
         out[family] = Converted(hf_dir, {t: root / f"{family}-{t}.gguf" for t in llama_cpp.OUTTYPES})
     llama_cpp.convert([(c.hf_dir, path, t) for c in out.values() for t, path in c.ggufs.items()])
