@@ -25,11 +25,12 @@ kind of thing:
 - ``models``: ``config`` (``TextModelConfig``), ``decoder`` (the Llama-family ``TextModel`` over a
   paged KV cache, ``RMSNorm``, RoPE), ``parts`` (``ModelParts``: what a ``TextModel`` is built from;
   ``LayerStack``), ``deepstack`` (Qwen3-VL's DeepStack decoder), ``native_decoder`` (the whole
-  stack as one native call per step) and ``tensor_parallel`` (the Megatron-style shards of a model
-  across ranks);
+  stack as one native call per step), ``tensor_parallel`` (the Megatron-style shards of a model
+  across ranks), and the family modules with layers of their own, ``gemma4`` (Gemma 4 text) and
+  ``gpt_oss``;
 - ``layers``: ``attention`` (paged attention: ``AttnMetadata``, ``build_attn_metadata``,
   ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
-  ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
+  ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
 - ``loading``: ``checkpoint`` (``load_checkpoint``, ``build_model``: a ``.gguf`` file or a Hugging
   Face directory), ``hf`` and ``gguf``;
 - ``quant``: ``linear`` (the GGUF-block linear layers), ``parts`` (``BlockParts``: a model built on
@@ -57,9 +58,9 @@ from typing import Any
 PUBLIC_MODULES = (
     "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling",
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
-    "models.deepstack", "models.native_decoder", "models.parts", "models.tensor_parallel", "layers.moe",
-    "layers.attention", "layers.mrope", "layers.triton_kernels", "loading.checkpoint", "loading.hf",
-    "loading.gguf", "quant.linear", "quant.parts",
+    "models.deepstack", "models.native_decoder", "models.parts", "models.tensor_parallel", "models.gemma4",
+    "models.gpt_oss", "layers.moe", "layers.attention", "layers.mrope", "layers.triton_kernels",
+    "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear", "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
     "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",

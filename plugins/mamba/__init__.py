@@ -1,5 +1,5 @@
-"""The mamba plugin: hybrid Mamba-2 / attention decoders (Nemotron-H, Bamba, Granite 4.0 hybrid)
-under in-flight batching.
+"""The mamba plugin: hybrid recurrent / attention decoders (Nemotron-H and Nemotron 3, Bamba, Granite 4.0
+hybrid; Qwen3.5 with Gated DeltaNet layers) under in-flight batching.
 
 Each seat holds its own conv and SSM state beside the paged attention KV;
 joiners prefill in place. Under ``--enable-context-reuse`` the runtime keeps
@@ -71,5 +71,5 @@ def ifb_deployment_kinds():
     return [DeploymentKind(
         name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)", declare=declare,
         load=load, settings=frozenset({"served_model_name", "max_model_len", "device", "hybrid_checkpoint_interval"}),
-        description="Hybrid Mamba-2 / attention decoder from a Hugging Face Nemotron-H, Bamba or Granite 4.0 hybrid "
-                    "safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]
+        description="Hybrid Mamba-2 or Gated DeltaNet / attention decoder from a Hugging Face Nemotron-H (and "
+                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

@@ -41,10 +41,11 @@ class CapacityPlan:
 
 
 def state_bytes(config: HybridConfig) -> int:
-    """Bytes of one checkpoint: every Mamba layer's conv and SSM state (float32)."""
+    """Bytes of one checkpoint: every recurrent layer's conv and SSM state (float32)."""
     c = config
-    per_layer = c.conv_dim * (c.conv_kernel - 1) + c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size
-    return 4 * per_layer * c.num_mamba_layers
+    heads, rows, cols = c.state_shape
+    per_layer = c.conv_dim * (c.conv_kernel - 1) + heads * rows * cols
+    return 4 * per_layer * c.num_recurrent_layers
 
 
 def plan_capacity(config: HybridConfig, capacity_tokens: int, block_size: int, interval: int,
@@ -85,9 +86,8 @@ class StateCheckpoints:
         self.num_slots = num_slots
         c = config
         self.conv = [torch.zeros(num_slots, c.conv_dim, c.conv_kernel - 1, device=device)
-                     for _ in range(c.num_mamba_layers)]
-        self.ssm = [torch.zeros(num_slots, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, device=device)
-                    for _ in range(c.num_mamba_layers)]
+                     for _ in range(c.num_recurrent_layers)]
+        self.ssm = [torch.zeros(num_slots, *c.state_shape, device=device) for _ in range(c.num_recurrent_layers)]
         #: (request id, position) -> capture id of the last step
         self._captured: dict[tuple[str, int], int] = {}
         self._cache: HybridCache | None = None

@@ -30,19 +30,20 @@ class TokenLinear(nn.Linear):
 
 
 class ReluSquaredMLP(nn.Module):
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.up_proj = TokenLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = TokenLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        width = intermediate_size or config.intermediate_size  # Nemotron-H's shared expert has its own
+        self.up_proj = TokenLinear(config.hidden_size, width, bias=config.mlp_bias)
+        self.down_proj = TokenLinear(width, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, intermediate_size or config.intermediate_size, config.mlp_bias
         self.gate_proj = TokenLinear(h, i, bias=bias)
         self.up_proj = TokenLinear(h, i, bias=bias)
         self.down_proj = TokenLinear(i, h, bias=bias)

@@ -2,7 +2,9 @@
 
 llama.cpp names the architectures ``nemotron_h`` and ``granitehybrid``; its converter
 writes ``nemotron_h_moe`` for any Nemotron-H whose config has MoE fields (transformers 5
-saves them for every Nemotron-H), read here as ``nemotron_h`` when no layer holds experts. Its
+saves them for every Nemotron-H), read here as ``nemotron_h``, its expert layers (Nemotron 3:
+``ffn_gate_inp``, ``exp_probs_b``, ``ffn_{up,down}_exps``, ``ffn_{up,down}_shexp``) onto
+``NemotronMoE``. Its
 converter stores ``A = -exp(A_log)`` as ``ssm_a [H, 1]``, ``D`` as ``[H, 1]``,
 the conv kernel squeezed to ``[C, K]``, ``dt_bias`` as ``ssm_dt.bias``, the
 gated norm as ``[groups, inner / groups]``, Q/K rows in its interleaved RoPE
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from ifb_plugins.common.loading.gguf import read_metadata
-from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, ConfigError,
+from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, MOE, ConfigError,
                                       HybridConfig)
 
 ARCHS = {"nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h", "granitehybrid": "granitemoehybrid"}
@@ -61,9 +63,40 @@ def _pattern(tensors: dict[str, np.ndarray], num_layers: int, family: str) -> st
             kinds.append(ATTENTION)
         elif family == "nemotron_h" and f"blk.{i}.ffn_up.weight" in tensors:
             kinds.append(MLP)
+        elif family == "nemotron_h" and f"blk.{i}.ffn_up_exps.weight" in tensors:
+            kinds.append(MOE)  # Nemotron 3's mixture-of-experts layers
         else:
             raise ConfigError(f"GGUF layer {i} holds no mixer this plugin knows (ssm_in, attn_q or ffn_up)")
     return "".join(kinds)
+
+
+def _nemotron_moe_fields(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Nemotron 3's MoE fields as llama.cpp's converter writes them (``nemotron_h_moe.expert_*``)."""
+    def key(name: str) -> Any:
+        value = meta.get(f"{arch}.{name}")
+        if value is None:
+            raise ConfigError(f"GGUF metadata {arch}.{name} is missing")
+        return value
+
+    if int(meta.get(f"{arch}.expert_shared_count", 1)) != 1:
+        raise ConfigError(f"GGUF metadata {arch}.expert_shared_count must be 1")
+    if meta.get(f"{arch}.moe_latent_size"):
+        raise ConfigError(f"GGUF metadata {arch}.moe_latent_size: experts in a latent are not read from GGUF")
+    return dict(
+        num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        shared_intermediate_size=int(key("expert_shared_feed_forward_length")),
+        num_expert_groups=int(meta.get(f"{arch}.expert_group_count") or 1),
+        topk_groups=int(meta.get(f"{arch}.expert_group_used_count") or 1),
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+        routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale") or 1.0))
+
+
+#: Nemotron 3 MoE layer tensors -> ``NemotronMoE``'s names
+_MOE = {"ffn_gate_inp": "mixer.gate.weight", "exp_probs_b": "mixer.gate.e_score_correction_bias",
+        "ffn_up_exps": "mixer.experts.up_proj", "ffn_down_exps": "mixer.experts.down_proj",
+        "ffn_up_shexp": "mixer.shared_experts.up_proj.weight",
+        "ffn_down_shexp": "mixer.shared_experts.down_proj.weight"}
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> HybridConfig:
@@ -78,8 +111,6 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -
             raise ConfigError(f"GGUF metadata {arch}.{name} is missing")
         return value
 
-    if arch == "nemotron_h_moe" and any(n.endswith("_exps.weight") for n in tensors):
-        raise ConfigError("this Nemotron-H GGUF has MoE layers, which this plugin does not load")
     num_layers = int(key("block_count"))
     kv_heads = _per_layer(key("attention.head_count_kv"), num_layers, "attention.head_count_kv")
     ff = _per_layer(key("feed_forward_length", 0), num_layers, "feed_forward_length")
@@ -110,6 +141,8 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -
         eos_token_ids=tuple(int(e) for e in [meta.get("tokenizer.ggml.eos_token_id")] if e is not None),
         ffn=FFN_NONE,
     )
+    if MOE in pattern:
+        fields.update(_nemotron_moe_fields(meta, arch))
     if arch == "granitehybrid":
         num_experts = int(meta.get(f"{arch}.expert_count", 0))
         fields.update(
@@ -145,7 +178,9 @@ def _our_tensors(raw: dict[str, torch.Tensor], config: HybridConfig) -> dict[str
             raise ConfigError(f"unexpected tensor {name!r} in the GGUF file")
         layer, kind, part = int(m.group(1)), m.group(2), m.group(3)
         p = f"backbone.layers.{layer}."
-        if kind == "ssm_a":
+        if config.pattern[layer] == MOE and kind in _MOE:
+            out[p + _MOE[kind]] = t
+        elif kind == "ssm_a":
             out[p + "mixer.A"] = t.reshape(-1)
         elif kind == "ssm_d":
             out[p + "mixer.D"] = t.reshape(-1)

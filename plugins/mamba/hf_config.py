@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, FFN_SWIGLU, MAMBA, MLP, MOE, ConfigError,
-                                      HybridConfig)
+from ifb_plugins.mamba.config import (ATTENTION, DELTANET, FFN_GRANITE, FFN_NONE, FFN_QWEN_MOE, FFN_SWIGLU, MAMBA,
+                                      MLP, MOE, ConfigError, HybridConfig)
 
 _REQUIRED = object()
 _LAYER_NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION,
@@ -177,8 +177,9 @@ def read_nemotron_h(f: Fields) -> HybridConfig:
     _check_act(f, "mlp_hidden_act", "relu2")
     _check_act(f, "mamba_hidden_act", "silu")
     hidden = f.int("hidden_size")
+    pattern = _nemotron_pattern(f)
     return HybridConfig(
-        family="nemotron_h", pattern=_nemotron_pattern(f), **_common(f, hidden, kv_heads=8, head_dim=128),
+        family="nemotron_h", pattern=pattern, **(_nemotron_moe(f) if MOE in pattern else {}), **_common(f, hidden, kv_heads=8, head_dim=128),
         intermediate_size=f.int("intermediate_size", default=21504),
         mamba_num_heads=f.int("mamba_num_heads", default=128), mamba_head_dim=f.int("mamba_head_dim", default=64),
         ssm_state_size=f.int("ssm_state_size", default=128),
@@ -189,6 +190,26 @@ def read_nemotron_h(f: Fields) -> HybridConfig:
         use_conv_bias=f.bool("use_conv_bias", "mamba_conv_bias", default=True),
         mamba_proj_bias=f.bool("use_bias", default=False),  # transformers' NemotronH reads use_bias for these
         max_position_embeddings=f.int("max_position_embeddings", default=4096),
+    )
+
+
+def _nemotron_moe(f: Fields) -> dict[str, Any]:
+    """The fields of Nemotron-H's ``E`` layers (Nemotron 3), with transformers' defaults."""
+    shared = f.int("n_shared_experts", default=1)
+    if shared != 1:  # transformers builds exactly one shared expert of moe_shared_expert_intermediate_size
+        raise ConfigError(f"config.json: n_shared_experts {shared} is not supported (transformers builds 1)")
+    if f.int("num_nextn_predict_layers", default=0):
+        raise ConfigError("config.json: num_nextn_predict_layers > 0 (multi-token prediction layers) is not "
+                          "supported")
+    return dict(
+        num_experts=f.int("n_routed_experts", "num_local_experts", default=8),
+        num_experts_per_tok=f.int("num_experts_per_tok", default=2),
+        moe_intermediate_size=f.int("moe_intermediate_size", default=7688),
+        shared_intermediate_size=f.int("moe_shared_expert_intermediate_size", default=7688),
+        moe_latent_size=f.int("moe_latent_size", default=0),
+        num_expert_groups=f.int("n_group", default=1), topk_groups=f.int("topk_group", default=1),
+        norm_topk_prob=f.bool("norm_topk_prob", default=True),
+        routed_scaling_factor=f.float("routed_scaling_factor", default=1.0),
     )
 
 
@@ -268,7 +289,45 @@ def read_granite_hybrid(f: Fields) -> HybridConfig:
     )
 
 
-READERS = {"nemotron_h": read_nemotron_h, "bamba": read_bamba, "granitemoehybrid": read_granite_hybrid}
+def read_qwen3_5(f: Fields) -> HybridConfig:
+    """Qwen3.5 and Qwen3.5-MoE text models (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``)."""
+    _check_act(f, "hidden_act", "silu")
+    hidden = f.int("hidden_size")
+    listed = f.raw("layer_types", default=None)
+    if listed is None:  # transformers' default: every full_attention_interval-th layer is full attention
+        interval, num_layers = f.int("full_attention_interval", default=4), f.int("num_hidden_layers", default=32)
+        listed = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    names = {"linear_attention": DELTANET, "full_attention": ATTENTION}
+    if not isinstance(listed, (list, tuple)) or any(t not in names for t in listed):
+        raise ConfigError(f"config.json: layer_types must list 'linear_attention' / 'full_attention', not {listed!r}")
+    common = _common(f, hidden, kv_heads=None, head_dim=256)
+    moe = f.raw("model_type") == "qwen3_5_moe_text"
+    moe_fields = dict(
+        ffn=FFN_QWEN_MOE, num_experts=f.int("num_experts", default=512),
+        num_experts_per_tok=f.int("num_experts_per_tok", default=10),
+        moe_intermediate_size=f.int("moe_intermediate_size", default=512),
+        shared_intermediate_size=f.int("shared_expert_intermediate_size", default=512),
+    ) if moe else dict(ffn=FFN_SWIGLU)
+    return HybridConfig(
+        family="qwen3_5", pattern="".join(names[t] for t in listed), **common, **moe_fields,
+        intermediate_size=f.int("intermediate_size", default=12288),
+        # the Mamba fields are unused; the DeltaNet conv and state shapes come from the linear_* fields
+        mamba_num_heads=0, mamba_head_dim=0, ssm_state_size=0, n_groups=1,
+        conv_kernel=f.int("linear_conv_kernel_dim", default=4),
+        linear_num_key_heads=f.int("linear_num_key_heads", default=16),
+        linear_num_value_heads=f.int("linear_num_value_heads", default=32),
+        linear_key_head_dim=f.int("linear_key_head_dim", default=128),
+        linear_value_head_dim=f.int("linear_value_head_dim", default=128),
+        gated_attention=True, layer_norm_epsilon=f.float("rms_norm_eps", default=1e-6),
+        max_position_embeddings=f.int("max_position_embeddings", default=32768),
+        **_rope(f, common["head_dim"], partial=0.25),
+    )
+
+
+READERS = {"nemotron_h": read_nemotron_h, "bamba": read_bamba, "granitemoehybrid": read_granite_hybrid,
+           "qwen3_5_text": read_qwen3_5, "qwen3_5_moe_text": read_qwen3_5}
+#: image-text checkpoints whose text model this plugin could serve, and why it does not
+_REFUSED = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 #: config.json ``model_type`` values this plugin implements
 SUPPORTED_MODEL_TYPES = tuple(READERS)
 
@@ -277,6 +336,9 @@ def read_hf_config(cfg: Mapping[str, Any]) -> HybridConfig:
     """Build a ``HybridConfig`` from a parsed config.json; raises ``ConfigError`` naming the bad field."""
     f = Fields(cfg)
     model_type = cfg.get("model_type")
+    if model_type in _REFUSED:
+        raise ConfigError(f"model_type {model_type!r} ({_REFUSED[model_type]}, the image-text model) is not served: "
+                          f"its vision tower is not built here; the text models {model_type}_text are")
     if model_type not in READERS:
         raise ConfigError(f"model_type {model_type!r} is not a hybrid Mamba model this plugin implements "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")

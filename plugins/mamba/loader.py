@@ -19,6 +19,7 @@ import torch
 
 from ifb_plugins.mamba.config import ConfigError, HybridConfig
 from ifb_plugins.mamba.model import HybridModel
+from ifb_plugins.common.layers.moe import fuse_expert_state
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -73,6 +74,14 @@ _RENAMES = {
         (_LAYER + r"pre_ff_layernorm\.", r"backbone.layers.\1.ffn_norm."),
         (_LAYER + r"feed_forward\.", r"backbone.layers.\1.ffn."),
     ],
+    "qwen3_5": [
+        (r"^model\.embed_tokens\.", "backbone.embeddings."),
+        (r"^model\.norm\.", "backbone.norm_f."),
+        (_LAYER + r"input_layernorm\.", r"backbone.layers.\1.norm."),
+        (_LAYER + r"(?:linear_attn|self_attn)\.", r"backbone.layers.\1.mixer."),
+        (_LAYER + r"post_attention_layernorm\.", r"backbone.layers.\1.ffn_norm."),
+        (_LAYER + r"mlp\.", r"backbone.layers.\1.ffn."),
+    ],
     "granitemoehybrid": _SHARED_RENAMES + [
         (r"^model\.norm\.", "backbone.norm_f."),
         (_LAYER + r"post_attention_layernorm\.", r"backbone.layers.\1.ffn_norm."),
@@ -86,8 +95,41 @@ _RENAMES = {
 }
 
 
+#: Nemotron-H MoE experts as transformers saves them (one tensor per expert and projection)
+_PER_EXPERT = re.compile(r"(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mixer.experts.N.{up,down}_proj.weight`` stacked into ``mixer.experts.{up,down}_proj [E, ...]``
+    (the layout transformers 5 holds in memory, which passes through)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if m := _PER_EXPERT.fullmatch(name):
+            parts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = tensor
+        else:
+            out[name] = tensor
+    for (prefix, part), experts in parts.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise ValueError(f"{prefix}: expert {part} tensors are numbered {sorted(experts)}, not 0..N-1")
+        out[f"{prefix}.{part}"] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+#: Qwen3.5's zero-centered RMSNorms (``x * (1 + weight)``): held as ``1 + weight``; the DeltaNet's gated
+#: norm (``linear_attn.norm``) is a plain one
+_ZERO_CENTERED = re.compile(r".*(?:input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)\.weight|"
+                            r"model\.norm\.weight")
+
+
 def our_names(family: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under ``HybridModel``'s parameter names (``A_log`` as ``A``)."""
+    if family == "nemotron_h":
+        state = stack_experts(state)
+    if family == "qwen3_5":
+        state = fuse_expert_state(state)  # Qwen3.5-MoE's per-expert tensors, stacked as SparseMoE's
+        # transformers computes 1 + weight in float32 each call; once here gives the same bits
+        state = {k: 1.0 + v.float() if _ZERO_CENTERED.fullmatch(k) else v for k, v in state.items()}
     rules = [(re.compile(pattern), repl) for pattern, repl in _RENAMES[family]]
     out = {}
     for name, tensor in state.items():

@@ -39,6 +39,38 @@ class GatedRMSNorm(nn.Module):
         return self.weight * grouped.view(h.shape).to(y.dtype)
 
 
+def ragged_conv(xbc: torch.Tensor, layout: StepLayout, conv_state: torch.Tensor, captures: dict[int, torch.Tensor],
+                weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv (then SiLU) of a step's tokens ``xbc [T, C]``, each sequence continuing
+    from its seat's ``conv_state [seats, C, K-1]``; fills conv ``captures`` at the layout's points.
+    ``weight [C, K]``. Shared by the Mamba-2 and Gated DeltaNet mixers."""
+    keep = weight.shape[-1] - 1
+    out = torch.empty_like(xbc)
+    if layout.has_decode:
+        idx, seats = layout.decode_token_idx, layout.decode_seats
+        y, new = causal_conv(xbc[idx][:, :, None], conv_state.index_select(0, seats), weight, bias)
+        out[idx] = y[:, :, 0]
+        conv_state.index_copy_(0, seats, new)
+        for seat, capture_id in layout.decode_captures:
+            captures[capture_id] = conv_state[seat].clone()
+    if layout.has_prefill:
+        packed = xbc[layout.prefill_token_idx]
+        result = torch.empty_like(packed)
+        cu = layout.prefill_cu_seqlens
+        for i, seat in enumerate(layout.prefill_seats):
+            chunk = packed[cu[i]:cu[i + 1]].t()[None]  # [1, C, n]
+            if layout.conv_captures[i]:
+                # the state after t tokens is the last K-1 inputs up to t: a window of (old state | chunk)
+                window = torch.cat([conv_state[seat].to(chunk.dtype), chunk[0]], dim=-1)  # [C, K-1+n]
+                for t, capture_id in layout.conv_captures[i]:
+                    captures[capture_id] = window[:, t:t + keep].clone()
+            y, new = causal_conv(chunk, conv_state[seat:seat + 1], weight, bias)
+            result[cu[i]:cu[i + 1]] = y[0].t()
+            conv_state[seat] = new[0]
+        out[layout.prefill_token_idx] = result
+    return out
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -57,33 +89,7 @@ class Mamba2Mixer(nn.Module):
 
     def _conv(self, xbc: torch.Tensor, layout: StepLayout, conv_state: torch.Tensor,
               captures: dict[int, torch.Tensor]) -> torch.Tensor:
-        weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        bias = self.conv1d.bias
-        keep = self.config.conv_kernel - 1
-        out = torch.empty_like(xbc)
-        if layout.has_decode:
-            idx, seats = layout.decode_token_idx, layout.decode_seats
-            y, new = causal_conv(xbc[idx][:, :, None], conv_state.index_select(0, seats), weight, bias)
-            out[idx] = y[:, :, 0]
-            conv_state.index_copy_(0, seats, new)
-            for seat, capture_id in layout.decode_captures:
-                captures[capture_id] = conv_state[seat].clone()
-        if layout.has_prefill:
-            packed = xbc[layout.prefill_token_idx]
-            result = torch.empty_like(packed)
-            cu = layout.prefill_cu_seqlens
-            for i, seat in enumerate(layout.prefill_seats):
-                chunk = packed[cu[i]:cu[i + 1]].t()[None]  # [1, C, n]
-                if layout.conv_captures[i]:
-                    # the state after t tokens is the last K-1 inputs up to t: a window of (old state | chunk)
-                    window = torch.cat([conv_state[seat].to(chunk.dtype), chunk[0]], dim=-1)  # [C, K-1+n]
-                    for t, capture_id in layout.conv_captures[i]:
-                        captures[capture_id] = window[:, t:t + keep].clone()
-                y, new = causal_conv(chunk, conv_state[seat:seat + 1], weight, bias)
-                result[cu[i]:cu[i + 1]] = y[0].t()
-                conv_state[seat] = new[0]
-            out[layout.prefill_token_idx] = result
-        return out
+        return ragged_conv(xbc, layout, conv_state, captures, self.conv1d.weight[:, 0, :], self.conv1d.bias)
 
     def forward(self, x: torch.Tensor, layout: StepLayout, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 captures: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Hybrid Mamba-2 / attention decoder (Nemotron-H, Bamba, Granite 4.0 hybrid) driven one step at a time.
+"""Hybrid Mamba-2 / attention decoder (Nemotron-H and Nemotron 3, Bamba, Granite 4.0 hybrid) driven one step at a time.
 
 One ``forward`` runs a ragged step (prefill chunks and decode tokens packed on
 a flat token axis T). Mamba layers read and advance per-seat recurrent state
@@ -22,10 +22,14 @@ from torch import nn
 from ifb_plugins.common.layers.attention import write_kv
 from ifb_plugins.common.models.decoder import RMSNorm, apply_rope
 from ifb_plugins.mamba.attention import blockwise_attention
-from ifb_plugins.mamba.config import ATTENTION, FFN_GRANITE, FFN_NONE, FFN_SWIGLU, MAMBA, HybridConfig
+from ifb_plugins.common.layers.moe import exp_sigmoid
+from ifb_plugins.mamba.config import (ATTENTION, DELTANET, FFN_GRANITE, FFN_NONE, FFN_QWEN_MOE, FFN_SWIGLU, MAMBA,
+                                      MOE, RECURRENT, HybridConfig)
+from ifb_plugins.mamba.deltanet import GatedDeltaNet
 from ifb_plugins.mamba.ffn import GraniteFFN, ReluSquaredMLP, SwiGLU, TokenLinear
 from ifb_plugins.mamba.layout import StepLayout
 from ifb_plugins.mamba.mixer import Mamba2Mixer
+from ifb_plugins.mamba.moe import NemotronMoE, QwenMoE
 from ifb_plugins.mamba.numerics import token_linear
 
 #: RoPE tables are built in pieces of this many positions, so a position's cos/sin never depend on how many exist
@@ -64,9 +68,8 @@ def allocate_cache(config: HybridConfig, num_seats: int, num_blocks: int, block_
 
     kv_shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
     return HybridCache(
-        conv=[zeros(num_seats, c.conv_dim, c.conv_kernel - 1) for _ in range(c.num_mamba_layers)],
-        ssm=[zeros(num_seats, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
-             for _ in range(c.num_mamba_layers)],
+        conv=[zeros(num_seats, c.conv_dim, c.conv_kernel - 1) for _ in range(c.num_recurrent_layers)],
+        ssm=[zeros(num_seats, *c.state_shape) for _ in range(c.num_recurrent_layers)],
         kv=[(zeros(*kv_shape), zeros(*kv_shape)) for _ in range(c.num_attention_layers)],
     )
 
@@ -99,13 +102,20 @@ class Rope:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the paged cache, with RoPE where the family has it."""
+    """Grouped-query attention over the paged cache, with RoPE where the family has it.
+
+    Qwen3.5's gated attention: ``q_proj`` gives each head's query and output gate side by side,
+    q and k are RMS-normed per head before RoPE, and the output is scaled by ``sigmoid(gate)``.
+    """
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         c = self.config = config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = TokenLinear(c.hidden_size, q_size, bias=c.attention_bias)
+        self.q_proj = TokenLinear(c.hidden_size, q_size * (2 if c.gated_attention else 1), bias=c.attention_bias)
+        if c.gated_attention:
+            self.q_norm = RMSNorm(c.head_dim, c.layer_norm_epsilon)
+            self.k_norm = RMSNorm(c.head_dim, c.layer_norm_epsilon)
         self.k_proj = TokenLinear(c.hidden_size, kv_size, bias=c.attention_bias)
         self.v_proj = TokenLinear(c.hidden_size, kv_size, bias=c.attention_bias)
         self.o_proj = TokenLinear(q_size, c.hidden_size, bias=c.attention_bias)
@@ -119,8 +129,14 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c = self.config
         t = x.shape[0]
-        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        gate = None
+        if c.gated_attention:
+            q, gate = self.q_proj(x).view(t, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            q = self.q_norm(q)
+            k = self.k_norm(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim))
+        else:
+            q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
+            k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
         if rope is not None:
             q, k = self._rotate(q, rope), self._rotate(k, rope)
@@ -128,22 +144,26 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, layout.attn.slot_mapping)
         out = blockwise_attention(q, k_cache, v_cache, layout.attn, layout.token_seq, layout.token_pos,
                                   scale=c.softmax_scale)
-        return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
+        out = out.reshape(t, c.num_heads * c.head_dim)
+        if gate is not None:
+            out = out * exp_sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
 
 
-_FFNS = {FFN_SWIGLU: SwiGLU, FFN_GRANITE: GraniteFFN}
+_FFNS = {FFN_SWIGLU: SwiGLU, FFN_GRANITE: GraniteFFN, FFN_QWEN_MOE: QwenMoE}
+_MIXERS = {MAMBA: Mamba2Mixer, DELTANET: GatedDeltaNet, ATTENTION: Attention, MOE: NemotronMoE}
 
 
 class Block(nn.Module):
-    """Pre-norm residual block around one mixer (Mamba, attention or MLP) and the family's feed-forward."""
+    """Pre-norm residual block around one mixer (Mamba, attention, MLP or MoE) and the family's feed-forward."""
 
     def __init__(self, config: HybridConfig, kind: str, state_index: int) -> None:
         super().__init__()
         self.kind = kind
-        self.state_index = state_index  # which Mamba state / KV cache of the HybridCache this layer owns
+        self.state_index = state_index  # which recurrent state / KV cache of the HybridCache this layer owns
         self.residual_multiplier = config.residual_multiplier
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        mixer = {MAMBA: Mamba2Mixer, ATTENTION: Attention}.get(kind, ReluSquaredMLP)
+        mixer = _MIXERS.get(kind, ReluSquaredMLP)
         self.mixer = mixer(config)
         if config.ffn != FFN_NONE:
             self.ffn_norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
@@ -152,7 +172,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, layout: StepLayout, cache: HybridCache,
                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         h = self.norm(x)
-        if self.kind == MAMBA:
+        if self.kind in RECURRENT:
             i = self.state_index
             h = self.mixer(h, layout, cache.conv[i], cache.ssm[i], cache.captured[i])
         elif self.kind == ATTENTION:
@@ -171,12 +191,13 @@ class Backbone(nn.Module):
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        counts = {MAMBA: 0, ATTENTION: 0}
+        counts = {"recurrent": 0, ATTENTION: 0}
         layers = []
         for kind in config.pattern:
-            index = counts.get(kind, 0)
-            if kind in counts:
-                counts[kind] += 1
+            key = "recurrent" if kind in RECURRENT else kind
+            index = counts.get(key, 0)
+            if key in counts:
+                counts[key] += 1
             layers.append(Block(config, kind, index))
         self.layers = nn.ModuleList(layers)
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)

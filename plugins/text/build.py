@@ -136,6 +136,10 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack
     if config.num_ranks > 1:
         return load_text_shard(config, caps)
     path = Path(config.model)
+    from ifb_plugins.text.families import family_of_dir, is_gpt_oss_gguf, load_family_runtime
+
+    if (path.is_dir() and family_of_dir(path)) or is_gpt_oss_gguf(path):  # model modules of their own
+        return load_family_runtime(config, caps)
     mode = quantization_mode(config)
     has_lora = lora_enabled(config)
     # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards

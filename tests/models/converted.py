@@ -15,7 +15,8 @@ import attrs
 import torch
 
 from tests.models import llama_cpp
-from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
+from tests.models.gpt_oss import save_tiny_gpt_oss
 from tests.models.moe import randomize, save_tiny_moe
 from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
 
@@ -67,6 +68,15 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
 }
 
 
+#: families converted in the same run whose GGUF tests live with the family's own tests
+#: (tests/plugins/mamba/test_nemotron_3.py, tests/plugins/text/test_gpt_oss.py)
+FAMILIES_TESTED_APART: dict[str, Callable[[Path], Path]] = {
+    # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
+    "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
+    "gpt_oss": lambda d: save_tiny_gpt_oss(d, seed=12),
+}
+
+
 @attrs.frozen
 class Converted:
     """One family's checkpoint directory and its GGUF file per output type."""
@@ -76,9 +86,10 @@ class Converted:
 
 
 def convert_families(root: Path) -> dict[str, Converted]:
-    """Every family of ``FAMILIES`` saved under ``root`` and converted to every ``llama_cpp.OUTTYPES``."""
+    """Every family of ``FAMILIES`` and ``FAMILIES_TESTED_APART`` saved under ``root`` and converted to
+    every ``llama_cpp.OUTTYPES``."""
     out = {}
-    for family, save in FAMILIES.items():
+    for family, save in {**FAMILIES, **FAMILIES_TESTED_APART}.items():
         hf_dir = save(root / family)
         out[family] = Converted(hf_dir, {t: root / f"{family}-{t}.gguf" for t in llama_cpp.OUTTYPES})
     llama_cpp.convert([(c.hf_dir, path, t) for c in out.values() for t, path in c.ggufs.items()])

@@ -35,6 +35,11 @@ def _redraw(model: torch.nn.Module, seed: int, mamba_heads: int) -> None:
         elif leaf == "dt_bias":
             dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.5) - math.log(0.05)) + math.log(0.05))
             p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        elif p.dim() == 1 and "layernorm" in name or name.endswith(("q_norm.weight", "k_norm.weight",
+                                                                    "model.norm.weight")):
+            # Qwen3.5's zero-centered norms scale by 1 + weight; elsewhere these are plain norms near one
+            zero_centered = "linear_attn" not in name and "qwen3_5" in type(model).__name__.lower()
+            p.copy_((0.0 if zero_centered else 1.0) + randn(p.shape, 0.1))
         elif leaf == "D" or p.dim() == 1 and "norm" in name:
             p.copy_(1.0 + randn(p.shape, 0.1))
         elif p.dim() == 1:  # biases
@@ -43,8 +48,11 @@ def _redraw(model: torch.nn.Module, seed: int, mamba_heads: int) -> None:
             p.copy_(randn(p.shape, 1.0))
         else:
             p.copy_(randn(p.shape, 1.0 / math.sqrt(p.shape[-1])))
-            if name.endswith("in_proj.weight"):
+            if name.endswith("in_proj.weight") and mamba_heads:
                 p[-mamba_heads:] *= 0.5  # keep softplus(dt + dt_bias) well inside (1e-3, 1): a live, stable state
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # Nemotron-H's MoE router: biased choice, unbiased weights
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
 
 
 def _save(model, directory: str | Path, seed: int, mamba_heads: int) -> Path:
@@ -81,6 +89,17 @@ def save_tiny_nemotron_h(directory: str | Path, seed: int = 0, *, pattern: str =
     return _save(NemotronHForCausalLM(config).float().eval(), directory, seed, config.mamba_num_heads)
 
 
+def save_tiny_nemotron_3(directory: str | Path, seed: int = 0, *, pattern: str = "ME*EM-E",
+                         moe_latent_size: int | None = None) -> Path:
+    """A tiny Nemotron 3 (``NemotronHForCausalLM`` with ``E`` mixture-of-experts layers): 8 routed experts in
+    4 groups, 2 groups and 2 experts per token, scaled weights, a shared expert; optionally a latent."""
+    path = save_tiny_nemotron_h(
+        directory, seed, pattern=pattern, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, moe_latent_size=moe_latent_size)
+    return path
+
+
 def save_tiny_bamba(directory: str | Path, seed: int = 0, *, num_layers: int = 3,
                     attn_layer_indices: tuple[int, ...] = (1,)) -> Path:
     """A tiny ``BambaForCausalLM`` (Mamba-2 and RoPE attention layers, each followed by SwiGLU)."""
@@ -114,6 +133,28 @@ def save_tiny_granite_hybrid(directory: str | Path, seed: int = 0, *,
     return _save(GraniteMoeHybridForCausalLM(config).float().eval(), directory, seed, config.mamba_n_heads)
 
 
+def save_tiny_qwen3_5(directory: str | Path, seed: int = 0, *, moe: bool = False,
+                      layer_types: tuple[str, ...] = ("linear_attention", "linear_attention", "full_attention",
+                                                      "linear_attention")) -> Path:
+    """A tiny ``Qwen3_5ForCausalLM`` (or ``Qwen3_5MoeForCausalLM``): Gated DeltaNet layers with 2 key and 4
+    value heads beside gated attention with partial RoPE."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    fields = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, max_position_embeddings=2048, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if moe:
+        config = Qwen3_5MoeTextConfig(**fields, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=40)
+        model = Qwen3_5MoeForCausalLM(config)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields, intermediate_size=96))
+    torch.manual_seed(seed)
+    return _save(model.float().eval(), directory, seed, mamba_heads=0)
+
+
 #: family name -> the saver of its tiny reference model
 SAVERS = {"nemotron_h": save_tiny_nemotron_h, "bamba": save_tiny_bamba, "granitemoehybrid": save_tiny_granite_hybrid}
 
@@ -123,3 +164,21 @@ def hf_reference(path: str | Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' own ``generate``, greedy, for exactly ``num_tokens`` tokens: no end-of-sequence token
+    stops it or is masked (the engine's ``ignore_eos``)."""
+    import copy
+
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None  # a None passed to generate falls back to the model's
+    try:
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=num_tokens, min_new_tokens=0,
+                             pad_token_id=0)
+    finally:
+        model.generation_config = saved
+    assert out.shape[1] == len(ids) + num_tokens
+    return out[0, len(ids):].tolist()

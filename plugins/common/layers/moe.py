@@ -25,6 +25,7 @@ Shape letters: T tokens, H hidden, E experts, K experts per token, I expert inte
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Protocol
 
@@ -78,6 +79,61 @@ def route(logits: torch.Tensor, top_k: int, *, normalize: bool, router: str = "s
     return weights.gather(-1, order), expert_ids
 
 
+def route_grouped_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, *, num_groups: int,
+                          topk_groups: int, normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group-limited sigmoid router of Nemotron-H's MoE layers (DeepSeek-V3's, as transformers has it).
+
+    Scores are ``sigmoid(logits)``; experts are chosen on the scores plus ``correction_bias``,
+    only within the ``topk_groups`` groups whose two best biased scores sum highest; the chosen
+    experts' unbiased scores, renormalized when ``normalize``, times ``scaling``, are the weights.
+    Returns ``(weights [T, K] float32, expert_ids [T, K])`` in ascending expert order.
+    """
+    num_tokens, num_experts = logits.shape
+    scores = exp_sigmoid(logits.float())
+    choice = scores + correction_bias.float()
+    group_scores = choice.view(num_tokens, num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    group_ids = torch.topk(group_scores, k=topk_groups, dim=-1)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, num_experts // num_groups).reshape(num_tokens, -1)
+    expert_ids = torch.topk(choice.masked_fill(~expert_mask, -math.inf), k=top_k, dim=-1)[1]
+    expert_ids = expert_ids.sort(dim=-1)[0]
+    weights = scores.gather(1, expert_ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, expert_ids
+
+
+def dispatch_to_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, experts: Experts
+                        ) -> torch.Tensor:
+    """Each token's weighted expert outputs ``[T, K, out]``, one ``experts`` call per expert that got rows.
+
+    ``weights`` and ``expert_ids`` are ``[T, K]`` (a router's output); ``experts(rows, e)`` maps
+    the rows routed to expert ``e`` to their outputs.
+    """
+    t, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)  # [T K]: slot s is token s // K's pick s % K
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    rows = x.index_select(0, order // k)  # [T K, H], grouped by expert
+    outs = []
+    start = 0
+    for expert_id, n in enumerate(counts):
+        if n:
+            outs.append(experts(rows[start:start + n], expert_id))  # one matmul per expert
+            start += n
+    grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
+    grouped = grouped * weights.reshape(-1, 1).to(grouped.dtype).index_select(0, order)
+    return torch.empty_like(grouped).index_copy_(0, order, grouped).view(t, k, -1)
+
+
+def sum_picks(picks: torch.Tensor) -> torch.Tensor:
+    """``picks [T, K, H]`` summed over K in pick order (ascending expert id), whatever the batch."""
+    y = picks[:, 0]
+    for j in range(1, picks.shape[1]):
+        y = y + picks[:, j]
+    return y
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` as one matrix-vector product per row of ``x [T, K]``: a row's bits
     do not depend on how many rows share the call (the router is a small ``[E, K]`` matrix)."""
@@ -87,17 +143,37 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertWeights(nn.Module):
-    """All routed experts' weights in float32, stacked as transformers 5 holds them."""
+    """All routed experts' weights in float32, stacked as transformers 5 holds them; ``linear(x, w)``
+    computes ``x @ w.T`` and ``silu`` the gate's activation (a plugin may pass its row-invariant ones)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, linear=F.linear, silu=F.silu) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.linear = linear
+        self.silu = silu
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # gate rows, then up
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[expert_id]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.down_proj[expert_id])  # [n, H]
+        gate, up = self.linear(x, self.gate_up_proj[expert_id]).chunk(2, dim=-1)  # [n, I] each
+        return self.linear(self.silu(gate) * up, self.down_proj[expert_id])  # [n, H]
+
+
+class UngatedExperts(nn.Module):
+    """Routed experts without a gate, ``down(act(up(x)))``, stacked as transformers 5 holds Nemotron-H's:
+    ``up_proj [E, I, in]``, ``down_proj [E, in, I]``. ``linear(x, w)`` computes ``x @ w.T``
+    (a plugin passes its row-invariant product)."""
+
+    def __init__(self, num_experts: int, in_dim: int, intermediate: int, activation, linear=F.linear) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.activation = activation
+        self.linear = linear
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, in_dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, in_dim, intermediate))
+
+    def forward(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
+        return self.linear(self.activation(self.linear(x, self.up_proj[expert_id])), self.down_proj[expert_id])
 
 
 class ExpertModules(nn.Module):
@@ -176,31 +252,13 @@ class SparseMoE(nn.Module):
         if x.shape[0] == 1:  # a decode step alone: no gathers
             picks = [self.experts(x, e) * weights[:, j:j + 1] for j, e in enumerate(expert_ids[0].tolist())]
         else:
-            picks = self._dispatch(x, weights, expert_ids).unbind(1)
+            picks = dispatch_to_experts(x, weights, expert_ids, self.experts).unbind(1)
         y = picks[0]
         for pick in picks[1:]:  # ascending expert order, whatever the batch
             y = y + pick
         if self.shared_expert is not None:
             y = y + exp_sigmoid(rowwise_linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return y
-
-    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Each token's weighted expert outputs ``[T, K, H]``, one expert call per expert that got rows."""
-        t, h = x.shape
-        k = self.top_k
-        flat = expert_ids.reshape(-1)  # [T K]: slot s is token s // K's pick s % K
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, order // k)  # [T K, H], grouped by expert
-        outs = []
-        start = 0
-        for expert_id, n in enumerate(counts):
-            if n:
-                outs.append(self.experts(rows[start:start + n], expert_id))  # one matmul per expert
-                start += n
-        grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
-        grouped = grouped * weights.reshape(-1, 1).index_select(0, order)
-        return torch.empty_like(grouped).index_copy_(0, order, grouped).view(t, k, h)
 
 
 # checkpoint names of per-expert tensors: Qwen's experts.N.{gate,up,down}_proj, Mixtral's experts.N.w{1,3,2}

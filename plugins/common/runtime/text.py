@@ -93,7 +93,7 @@ def max_model_len_for(model: TextModel, config: DeployConfig) -> int:
     """The longest context a runtime over ``model`` serves: the model's, ``max_model_len`` if smaller."""
     limit = int(config.options.get("max_model_len") or DEFAULT_MAX_MODEL_LEN)
     length = min(model.config.max_position_embeddings, limit)
-    if model.config.sliding_window:
+    if model.config.sliding_window and not getattr(model, "applies_sliding_window", False):
         # attention here is full-context: within the window it equals sliding-window attention,
         # beyond it it would not, so the context stops at the window
         length = min(length, model.config.sliding_window)
@@ -103,7 +103,10 @@ def max_model_len_for(model: TextModel, config: DeployConfig) -> int:
 def kv_bytes_per_token(model: TextModel, kv_dtype: torch.dtype) -> int:
     """KV bytes one context token takes in ``model``'s cache (a sharded model: this rank's KV heads)."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    element_size = torch.empty((), dtype=kv_dtype).element_size()
+    if hasattr(model, "allocate_kv_caches"):  # its layers' KV shapes differ: the family counts them
+        return c.kv_bytes_per_token(element_size)
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size
 
 
 @attrs.frozen
@@ -141,9 +144,14 @@ class TextRuntime:
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
         capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model, kv_dtype), self.device)
+        # a family whose layers differ in KV shape (Gemma 4, gpt-oss) lays out its own caches
+        own_layout = getattr(model, "allocate_kv_caches", None)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
-        self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
-                                           dtype=kv_dtype, device=self.device)
+        if own_layout:
+            self.kv_caches = own_layout(self.num_kv_blocks, KV_BLOCK_SIZE, kv_dtype, self.device)
+        else:
+            self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
+                                               dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
         #: each seated request's history, block table and prepared state, kept from the steps' diffs

@@ -20,3 +20,15 @@ def family_dirs(tmp_path_factory, hybrid_dir):
         if family not in dirs:
             dirs[family] = save(tmp_path_factory.mktemp(family), seed=1)
     return dirs
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Single-threaded torch for a module: on a small shared machine OpenMP's spinning barriers make these
+    tiny models' small ops (transformers' conv1d above all) many times slower with several threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

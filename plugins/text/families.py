@@ -1,0 +1,95 @@
+"""Load the text families that are model modules of their own (Gemma 4 text, gpt-oss) into a ``TextRuntime``.
+
+Their layers differ from the Llama-family ``TextModel`` (per-layer KV shapes,
+KV sharing, attention sinks, sliding windows), so each is a shared-layer
+module (``ifb_plugins.common.models.gemma4``, ``...gpt_oss``) with the same
+step interface, laying out its own KV caches; paging, prefix reuse, sampling
+and chat are the text runtime's. Hugging Face directories, and gpt-oss GGUF files as
+llama.cpp's converter writes them (dequantized to float32); float32 throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ifb.capabilities import DeployConfig, DeploymentCaps
+from ifb_plugins.common.chat.tokenizer import TextTokenizer
+from ifb_plugins.common.loading.hf import load_hf_state_dict
+from ifb_plugins.common.models.gemma4 import Gemma4Config, Gemma4Model
+from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel, read_gpt_oss_gguf
+from ifb_plugins.common.runtime.text import TextRuntime
+
+log = logging.getLogger("ifb.text")
+
+#: model_type -> (config class, model class)
+FAMILIES = {"gemma4_text": (Gemma4Config, Gemma4Model), "gpt_oss": (GptOssConfig, GptOssModel)}
+#: model types of these families that are not served here, and why
+_REFUSED = {
+    "gemma4": "Gemma4ForConditionalGeneration: its image and audio towers are not built",
+    "gemma4_assistant": "the Gemma 4 assistant (drafter) checkpoint is not loadable yet",
+}
+
+
+def family_of_dir(path: Path) -> str | None:
+    """The ``model_type`` of a Hugging Face directory when it is one of these families (or refused)."""
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in FAMILIES or model_type in _REFUSED else None
+
+
+def is_gpt_oss_gguf(path: Path) -> bool:
+    """A ``.gguf`` file whose ``general.architecture`` is ``gpt-oss``."""
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return False
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("general.architecture")
+    return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
+
+
+def _build(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = model_cls(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
+    return model.to(device=device, dtype=torch.float32).eval()
+
+
+def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, TextTokenizer]:
+    """The model (float32, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory,
+    or of a gpt-oss GGUF file."""
+    if is_gpt_oss_gguf(path):
+        config, state, meta = read_gpt_oss_gguf(path)
+        return _build(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
+    raw = json.loads((path / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type in _REFUSED:
+        raise ValueError(f"model_type {model_type!r} is not served by the text plugin ({_REFUSED[model_type]})")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}")
+    config_cls, model_cls = FAMILIES[model_type]
+    config = config_cls.from_hf_config(raw)
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+    tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
+    return _build(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
+
+
+def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
+    path = Path(config.model)
+    model, tokenizer = build_family_model(path, str(config.options.get("device") or "cpu"))
+    name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
+    log.info("loaded %s (%s, %d layers, hidden %d; float32)", name, type(model).__name__, model.config.num_layers,
+             model.config.hidden_size)
+    return TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)

@@ -1,0 +1,116 @@
+"""Gemma 4 text (``Gemma4ForCausalLM``) against transformers on the same weights, served by the text runtime.
+
+The tiny model has every text feature on (see ``tests.models.gemma4``); one
+prompt is longer than the 16-token sliding window, so the sliding layers'
+window matters from the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ifb import LLM
+from ifb.params import RequestSpec, SamplingParams
+from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.models.gemma4 import Gemma4ConfigError
+from ifb_plugins.text.families import build_family_model as build_gemma4
+from tests.helpers import submit_staggered
+from tests.models.gemma4 import SLIDING_WINDOW, save_tiny_gemma4
+from tests.models.hybrid import hf_greedy, hf_reference
+
+PROMPTS = [
+    [(7 * i) % 290 + 5 for i in range(40)],  # past the sliding window
+    [17, 4, 260],
+    [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113],
+    [200, 3, 150, 75, 12, 8, 290, 31, 44],
+]
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Single-threaded torch: on a small shared machine OpenMP's spinning barriers make these tiny
+    models' small ops many times slower with several threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_gemma4(tmp_path_factory.mktemp("gemma4"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_reference(model_dir)
+
+
+def test_first_step_logits_match_transformers(model_dir, reference):
+    model, _ = build_gemma4(model_dir)
+    c = model.config
+    assert [s.kv_source for s in c.layers] == [0, 1, 2, 3, 3, 2]  # the last two read layer 3's and 2's KV
+    assert [s.head_dim for s in c.layers] == [16, 16, 32, 16, 16, 32]
+    assert c.layers[5].mlp_width == 192 and c.layers[2].values_are_keys and len(PROMPTS[0]) > SLIDING_WINDOW
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = reference(torch.tensor([ids])).logits[0]
+            caches = model.allocate_kv_caches(8, 16, torch.float32, "cpu")
+            attn = build_attn_metadata([(0, len(ids), list(range(8)))], 16)
+            ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn, caches))
+        assert ref.abs().max() > 1.0
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def _tokens(result):
+    return result.token_ids
+
+
+def test_greedy_tokens_equal_generate_and_batched_equals_alone(model_dir, reference):
+    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(max_tokens=32, **GREEDY))
+             for ids in PROMPTS]
+    with LLM(model=str(model_dir), plugin="text") as llm:
+        alone = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
+    with LLM(model=str(model_dir), plugin="text", enable_in_flight_batching=True, max_batch_size=4,
+             max_num_batched_tokens=8) as llm:
+        batched = [_tokens(r) for r in submit_staggered(llm.engine, specs, gap_steps=2)]
+        assert llm.health()["scheduling"]["admitted_mid_flight"] > 0
+    assert batched == alone
+    for ids, tokens in zip(PROMPTS, alone):
+        assert list(tokens) == hf_greedy(reference, ids, 32)
+
+
+def test_prefix_reuse_hits_and_changes_nothing(model_dir):
+    system = list(range(40, 110))
+    specs = [RequestSpec(prompt_token_ids=tuple(system + tail), params=SamplingParams(max_tokens=5, **GREEDY))
+             for tail in ([3, 9], [250, 7, 7, 1], [12], [99, 98, 97])]
+    kw = dict(plugin="text", enable_in_flight_batching=True, max_batch_size=3, max_num_batched_tokens=24)
+    with LLM(model=str(model_dir), **kw) as llm:
+        plain = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
+    with LLM(model=str(model_dir), enable_context_reuse=True, **kw) as llm:
+        reused = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
+        health = llm.health()
+    assert reused == plain
+    assert health["prefix_cache"]["hits"] >= 64 * 3  # the system prompt's four full blocks, three times
+
+
+@pytest.mark.parametrize("field, value", [("enable_moe_block", True), ("use_bidirectional_attention", "all"),
+                                          ("hidden_activation", "relu")])
+def test_an_unsupported_variant_is_refused_naming_the_field(model_dir, tmp_path, field, value):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(Gemma4ConfigError, match=field):
+        build_gemma4(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4", "gemma4_assistant"])
+def test_the_multimodal_model_and_the_drafter_are_refused_by_model_type(model_dir, tmp_path, model_type):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+    with pytest.raises(ValueError, match=f"model_type '{model_type}'"):
+        build_gemma4(tmp_path)
