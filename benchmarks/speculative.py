@@ -6,7 +6,7 @@
 3. 16 busy seats on the same workload: throughput without drafts and with n-gram drafts under the policy;
 4. the policy's input: a step's time for 1..9 positions of one sequence (the cost of a verified position).
 
-    python benchmarks/speculative.py [--max-tokens 96] [--out benchmarks/results/speculative.json]
+    python benchmarks/speculative.py [--max-tokens 96] [--out bench-results/speculative.json]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--none-max-tokens", type=int, default=32)
     parser.add_argument("--seats", type=int, default=16)
     parser.add_argument("--busy-max-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "bench-results" / "speculative.json")
     args = parser.parse_args()
     ngram = dict(speculative_method="ngram", num_speculative_tokens=6)
     report: dict = {}
