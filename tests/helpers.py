@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from ifb.params import SamplingParams
+from ifb.params import RequestSpec, SamplingParams
 from ifb.runtime import NewSeq, Prepared, ScheduledSeq, ScheduledStep, Seat
 
 
@@ -94,3 +94,37 @@ def one_seat_step(prepared: Prepared, block_ids: tuple[int, ...], params: Sampli
     seq = ScheduledSeq(request_id=request_id, seat=0, token_ids=ids, start_pos=0, new_block_ids=tuple(block_ids),
                        is_sampling=True)
     return ScheduledStep(step_id=0, seqs=(seq,)), [seat]
+
+
+def alone_and_staggered(model_dir, plugin: str, prompts, key, max_tokens: int = 32):
+    """Each prompt's greedy result (``key`` of it) served alone on the blocking path, and staggered under
+    in-flight batching at 4 seats with small prefill chunks; that requests joined mid-flight is asserted."""
+    from ifb import LLM
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=params) for ids in prompts]
+    with LLM(model=str(model_dir), plugin=plugin) as llm:
+        alone = [key(llm.engine.submit(spec).result()) for spec in specs]
+    with LLM(model=str(model_dir), plugin=plugin, enable_in_flight_batching=True, max_batch_size=4,
+             max_num_batched_tokens=8) as llm:
+        batched = [key(r) for r in submit_staggered(llm.engine, specs, gap_steps=2)]
+        assert llm.health()["scheduling"]["admitted_mid_flight"] > 0
+    return alone, batched
+
+
+def plain_and_reused(model_dir, plugin: str, key, **reuse_settings):
+    """Four requests sharing a 70-token system prompt, served under in-flight batching without and then with
+    the context cache (``reuse_settings`` added); returns (plain, reused, the second /health, its prefix
+    matcher's stats)."""
+    from ifb import LLM
+
+    system = list(range(40, 110))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    specs = [RequestSpec(prompt_token_ids=tuple(system + tail), params=params)
+             for tail in ([3, 9], [250, 7, 7, 1], [12], [99, 98, 97])]
+    settings = dict(plugin=plugin, enable_in_flight_batching=True, max_batch_size=3, max_num_batched_tokens=24)
+    with LLM(model=str(model_dir), **settings) as llm:
+        plain = [key(llm.engine.submit(spec).result()) for spec in specs]
+    with LLM(model=str(model_dir), enable_context_reuse=True, **settings, **reuse_settings) as llm:
+        reused = [key(llm.engine.submit(spec).result()) for spec in specs]
+        return plain, reused, llm.health(), llm.engine.prefix.stats()

@@ -20,7 +20,7 @@ from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.mamba.config import ConfigError
 from ifb_plugins.mamba.deltanet import GatedDeltaNet
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
-from tests.helpers import submit_staggered
+from tests.helpers import alone_and_staggered, plain_and_reused
 from tests.models.hybrid import hf_greedy, hf_reference, save_tiny_qwen3_5
 from tests.plugins.mamba.test_families import our_logits
 
@@ -62,30 +62,14 @@ def _bits(result):
 
 
 def test_greedy_tokens_equal_generate_and_batched_equals_alone(model_dir, reference):
-    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(max_tokens=32, **GREEDY))
-             for ids in PROMPTS]
-    with LLM(model=str(model_dir), plugin="mamba") as llm:
-        alone = [_bits(llm.engine.submit(spec).result()) for spec in specs]
-    with LLM(model=str(model_dir), plugin="mamba", enable_in_flight_batching=True, max_batch_size=4,
-             max_num_batched_tokens=8) as llm:
-        batched = [_bits(r) for r in submit_staggered(llm.engine, specs, gap_steps=2)]
-        assert llm.health()["scheduling"]["admitted_mid_flight"] > 0
+    alone, batched = alone_and_staggered(model_dir, "mamba", PROMPTS, _bits)
     assert batched == alone
     for ids, (tokens, _) in zip(PROMPTS, alone):
         assert list(tokens) == hf_greedy(reference, ids, 32)
 
 
 def test_prefix_reuse_resumes_from_deltanet_state_checkpoints(model_dir):
-    system = list(range(40, 110))
-    specs = [RequestSpec(prompt_token_ids=tuple(system + tail), params=SamplingParams(max_tokens=5, **GREEDY))
-             for tail in ([3, 9], [250, 7, 7, 1], [12], [99, 98, 97])]
-    kw = dict(plugin="mamba", enable_in_flight_batching=True, max_batch_size=3, max_num_batched_tokens=24)
-    with LLM(model=str(model_dir), **kw) as llm:
-        plain = [_bits(llm.engine.submit(spec).result()) for spec in specs]
-    with LLM(model=str(model_dir), enable_context_reuse=True, hybrid_checkpoint_interval=32, **kw) as llm:
-        reused = [_bits(llm.engine.submit(spec).result()) for spec in specs]
-        health = llm.health()
-        stats = llm.engine.prefix.stats()
+    plain, reused, health, stats = plain_and_reused(model_dir, "mamba", _bits, hybrid_checkpoint_interval=32)
     assert reused == plain
     assert health["prefix_cache"]["hits"] >= 64 * 3  # each later request resumes at the checkpoint at 64
     assert stats["state_checkpoints"] >= 2

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ifb import LLM
-from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.gemma4 import Gemma4ConfigError
 from ifb_plugins.text.families import build_family_model as build_gemma4
-from tests.helpers import submit_staggered
+from tests.helpers import alone_and_staggered, plain_and_reused
 from tests.models.gemma4 import SLIDING_WINDOW, save_tiny_gemma4
 from tests.models.hybrid import hf_greedy, hf_reference
 
@@ -28,7 +26,6 @@ PROMPTS = [
     [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113],
     [200, 3, 150, 75, 12, 8, 290, 31, 44],
 ]
-GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,29 +69,14 @@ def _tokens(result):
 
 
 def test_greedy_tokens_equal_generate_and_batched_equals_alone(model_dir, reference):
-    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(max_tokens=32, **GREEDY))
-             for ids in PROMPTS]
-    with LLM(model=str(model_dir), plugin="text") as llm:
-        alone = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
-    with LLM(model=str(model_dir), plugin="text", enable_in_flight_batching=True, max_batch_size=4,
-             max_num_batched_tokens=8) as llm:
-        batched = [_tokens(r) for r in submit_staggered(llm.engine, specs, gap_steps=2)]
-        assert llm.health()["scheduling"]["admitted_mid_flight"] > 0
+    alone, batched = alone_and_staggered(model_dir, "text", PROMPTS, _tokens)
     assert batched == alone
     for ids, tokens in zip(PROMPTS, alone):
         assert list(tokens) == hf_greedy(reference, ids, 32)
 
 
 def test_prefix_reuse_hits_and_changes_nothing(model_dir):
-    system = list(range(40, 110))
-    specs = [RequestSpec(prompt_token_ids=tuple(system + tail), params=SamplingParams(max_tokens=5, **GREEDY))
-             for tail in ([3, 9], [250, 7, 7, 1], [12], [99, 98, 97])]
-    kw = dict(plugin="text", enable_in_flight_batching=True, max_batch_size=3, max_num_batched_tokens=24)
-    with LLM(model=str(model_dir), **kw) as llm:
-        plain = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
-    with LLM(model=str(model_dir), enable_context_reuse=True, **kw) as llm:
-        reused = [_tokens(llm.engine.submit(spec).result()) for spec in specs]
-        health = llm.health()
+    plain, reused, health, _ = plain_and_reused(model_dir, "text", _tokens)
     assert reused == plain
     assert health["prefix_cache"]["hits"] >= 64 * 3  # the system prompt's four full blocks, three times
 
