@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import attrs
 import torch
 from torch import nn
 
@@ -31,7 +32,8 @@ FAMILIES = {"gemma4_text": (Gemma4Config, Gemma4Model), "gpt_oss": (GptOssConfig
 #: model types of these families that are not served here, and why
 _REFUSED = {
     "gemma4": "Gemma4ForConditionalGeneration: its image and audio towers are not built",
-    "gemma4_assistant": "the Gemma 4 assistant (drafter) checkpoint is not loadable yet",
+    "gemma4_assistant": "a Gemma 4 assistant drafts for its Gemma 4 target: serve the target with "
+                        "--speculative-model pointing at the assistant",
 }
 
 
@@ -92,4 +94,10 @@ def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRunti
     name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
     log.info("loaded %s (%s, %d layers, hidden %d; float32)", name, type(model).__name__, model.config.num_layers,
              model.config.hidden_size)
-    return TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)
+    runtime = TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)
+    if caps.speculation is not None:
+        from ifb_plugins.text.drafting import build_drafter
+
+        runtime.drafter, speculation = build_drafter(config, caps.speculation, runtime)
+        runtime.caps = attrs.evolve(caps, speculation=speculation)
+    return runtime

@@ -31,11 +31,12 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, in float32 (our reference numerics)."""
+    """All tensors of the checkpoint, floating-point ones in float32 (our reference numerics); integer
+    ones (indices, such as a token ordering) as they are."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         for name, tensor in load_file(str(file)).items():
-            state[name] = tensor.float()
+            state[name] = tensor.float() if tensor.is_floating_point() else tensor
     return state
 
 
