@@ -55,6 +55,7 @@ def _assistant_drafter(path: Path, caps: SpeculationCaps, config: DeployConfig,
     from ifb_plugins.common.models.gemma4_assistant import (Gemma4AssistantConfig, Gemma4AssistantModel,
                                                             check_fits, target_kv_layers)
     from ifb_plugins.common.speculative.assistant import AssistantDrafter
+    from ifb_plugins.text.families import load_module
 
     target = runtime.model
     if not isinstance(target, Gemma4Model):
@@ -66,15 +67,7 @@ def _assistant_drafter(path: Path, caps: SpeculationCaps, config: DeployConfig,
             f"the draft model {path.name} has a vocabulary of {assistant_config.vocab_size} tokens, the target "
             f"{runtime.model_name} one of {runtime.vocab_size}: a draft model must share the target's vocabulary")
     check_fits(assistant_config, target.config)
-    state = load_hf_state_dict(path)
-    state.pop("lm_head.weight", None)  # tied to model.embed_tokens
-    with torch.device("meta"):
-        assistant = Gemma4AssistantModel(assistant_config)
-    try:
-        assistant.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
-    assistant = assistant.to(device=runtime.device, dtype=torch.float32).eval()
+    assistant = load_module(Gemma4AssistantModel, assistant_config, load_hf_state_dict(path), path, runtime.device)
     table, scale = target.model.embed_tokens, target.config.hidden_size ** 0.5
 
     def embed(ids: torch.Tensor) -> torch.Tensor:  # as the target scales its input embedding

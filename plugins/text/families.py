@@ -56,8 +56,9 @@ def is_gpt_oss_gguf(path: Path) -> bool:
     return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
 
 
-def _build(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
-    if config.tie_word_embeddings:
+def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
+    """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), float32 on ``device``."""
+    if getattr(config, "tie_word_embeddings", True):
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = model_cls(config)
@@ -73,7 +74,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     or of a gpt-oss GGUF file."""
     if is_gpt_oss_gguf(path):
         config, state, meta = read_gpt_oss_gguf(path)
-        return _build(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
+        return load_module(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
@@ -85,7 +86,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return _build(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
+    return load_module(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
 
 
 def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:

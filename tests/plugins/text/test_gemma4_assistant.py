@@ -22,7 +22,7 @@ from ifb_plugins.common.speculative.drafter import DraftRequest
 from ifb_plugins.text.families import build_family_model
 from tests.models.gemma4 import SLIDING_WINDOW, fit_tiny_gemma4_assistant, save_tiny_gemma4, save_tiny_gemma4_assistant
 from tests.plugins.text.test_speculative import PROMPTS as SPECULATIVE_PROMPTS
-from tests.plugins.text.test_speculative import run
+from tests.plugins.text.test_speculative import assert_same_with_drafts
 
 PROMPTS = [
     [(7 * i) % 290 + 5 for i in range(40)],  # past the sliding window
@@ -119,16 +119,8 @@ def test_batched_drafts_equal_each_alone(models):
 
 @pytest.mark.parametrize("mode", ["alone", "joins", "preemption"])
 def test_greedy_output_is_bit_identical_with_the_assistant(models, mode):
-    plain, _ = run(models["target"], mode)
-    got, health = run(models["target"], mode, speculative_policy="always", speculative_model=str(models["fitted"]),
-                      num_speculative_tokens=3)
-    assert [(tokens, text) for tokens, text, _ in got] == [(tokens, text) for tokens, text, _ in plain]
-    for (_, _, lp_got), (_, _, lp_plain) in zip(got, plain):
-        assert lp_got == pytest.approx(lp_plain, abs=1e-4)
-    spec = health["speculative_decoding"]
-    assert spec["drafted"] > 0 and spec["accepted"] > 0 and spec["draft_failures"] == 0
-    if mode != "alone":
-        assert health["scheduling"]["preempted" if mode == "preemption" else "admitted_mid_flight"] > 0
+    assert_same_with_drafts(models["target"], mode, speculative_policy="always",
+                            speculative_model=str(models["fitted"]), num_speculative_tokens=3)
 
 
 def test_an_assistant_for_another_target_is_refused(models, tmp_path):

@@ -64,8 +64,14 @@ SOURCES = {
 def test_greedy_output_is_bit_identical_with_drafts(models, source, mode):
     target, options = SOURCES[source]
     options = options(models) if callable(options) else options
-    plain, _ = run(models[target], mode)
-    got, health = run(models[target], mode, speculative_policy="always", **options)
+    assert_same_with_drafts(models[target], mode, speculative_policy="always", **options)
+
+
+def assert_same_with_drafts(model: Path, mode: str, **options) -> None:
+    """``run`` with and without ``options``' drafts: the same tokens and texts, logprobs within 1e-4, drafts
+    accepted, and (batched) the joins or preemptions the mode is about."""
+    plain, _ = run(model, mode)
+    got, health = run(model, mode, **options)
     assert [(tokens, text) for tokens, text, _ in got] == [(tokens, text) for tokens, text, _ in plain]
     for (_, _, lp_got), (_, _, lp_plain) in zip(got, plain):
         assert lp_got == pytest.approx(lp_plain, abs=1e-4)
@@ -137,7 +143,9 @@ def test_guided_requests_draft_and_stay_exact(models, mode):
     import re
 
     def serve(**options):
-        kw = dict(enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16) if mode == "joins" else {}
+        kw = {}
+        if mode == "joins":
+            kw = dict(enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
         specs = [RequestSpec(prompt_token_ids=tuple(p), params=SamplingParams(temperature=0.0, max_tokens=40),
                              extras={"response_format": fmt}) for p, fmt in zip(PROMPTS, GUIDED * 2)]
         with LLM(str(models["target"]), **kw, **options) as llm:
