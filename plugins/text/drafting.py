@@ -67,7 +67,8 @@ def _assistant_drafter(path: Path, caps: SpeculationCaps, config: DeployConfig,
             f"the draft model {path.name} has a vocabulary of {assistant_config.vocab_size} tokens, the target "
             f"{runtime.model_name} one of {runtime.vocab_size}: a draft model must share the target's vocabulary")
     check_fits(assistant_config, target.config)
-    assistant = load_module(Gemma4AssistantModel, assistant_config, load_hf_state_dict(path), path, runtime.device)
+    state = load_hf_state_dict(path, keeps_integers=True)  # its token ordering is an index
+    assistant = load_module(Gemma4AssistantModel, assistant_config, state, path, runtime.device)
     table, scale = target.model.embed_tokens, target.config.hidden_size ** 0.5
 
     def embed(ids: torch.Tensor) -> torch.Tensor:  # as the target scales its input embedding
