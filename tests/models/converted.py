@@ -34,13 +34,15 @@ def save_tokenizer(directory: Path) -> None:
 
 
 def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny Llama, Qwen2 (biased Q/K/V, untied head) or Qwen3 (Q/K norms) from transformers' classes."""
+    """A tiny Llama, Mistral, Qwen2 (biased Q/K/V, untied head) or Qwen3 (Q/K norms) from transformers' classes."""
     import transformers
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   bos_token_id=0, eos_token_id=2, tie_word_embeddings=arch != "qwen2")
     config = {"llama": lambda: transformers.LlamaConfig(**common),
+              # no window: the tiny prompts are shorter than any, and the reference then attends to all
+              "mistral": lambda: transformers.MistralConfig(sliding_window=None, **common),
               "qwen2": lambda: transformers.Qwen2Config(**common),
               "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common)}[arch]()
     torch.manual_seed(seed)
@@ -56,6 +58,7 @@ def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "llama": lambda d: save_tiny_dense(d, "llama", seed=3),
     "qwen2": lambda d: save_tiny_dense(d, "qwen2", seed=4),
+    "mistral": lambda d: save_tiny_dense(d, "mistral", seed=13),
     "qwen3": lambda d: save_tiny_dense(d, "qwen3", seed=5),
     "qwen3_moe": lambda d: save_tiny_moe(d, "qwen3_moe", seed=6),
     "mixtral": lambda d: save_tiny_moe(d, "mixtral", seed=7),
