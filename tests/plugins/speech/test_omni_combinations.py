@@ -39,7 +39,8 @@ def text_chat(text: str, params=GREEDY) -> RequestSpec:
 def test_differing_sampling_parameters_share_the_thinkers_batch_with_media(llm):
     target = image_chat(3, SIZES[0], params=SEEDED)
     expected = llm.engine.submit(target, wait=True).result().token_ids
-    mates = [text_chat("Hello there, how are you?", SamplingParams(temperature=1.0, top_k=5, max_tokens=12,
+    # the first runs long enough that the others join it mid-flight
+    mates = [text_chat("Hello there, how are you?", SamplingParams(temperature=1.0, top_k=5, max_tokens=64,
                                                                     ignore_eos=True)),
              audio_chat(1, 0.3, params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
              image_chat(4, SIZES[1], params=SamplingParams(temperature=0.5, top_p=0.6, max_tokens=6, ignore_eos=True))]

@@ -28,7 +28,8 @@ def llm(vlm_checkpoint):
 def test_differing_sampling_parameters_share_a_batch_with_media(llm):
     target = image_chat(2, params=SEEDED)
     expected = llm.engine.submit(target, wait=True).result().token_ids
-    mates = [image_chat(3, params=SamplingParams(temperature=1.0, top_k=5, max_tokens=10, ignore_eos=True)),
+    # the first runs long enough that the others join it mid-flight
+    mates = [image_chat(3, params=SamplingParams(temperature=1.0, top_k=5, max_tokens=64, ignore_eos=True)),
              text_chat("Hello there", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)),
              image_chat(4, params=SamplingParams(temperature=0.4, top_p=0.5, max_tokens=6, ignore_eos=True))]
     stalls = llm.health()["scheduling"]["stalls_incompatible"]
