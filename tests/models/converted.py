@@ -1,7 +1,7 @@
 """Tiny checkpoints that transformers saved, and their GGUF files as llama.cpp's converter writes them.
 
 ``convert_families`` builds one tiny random model per family with transformers' own classes,
-``save_pretrained``s it with its tokenizer (``PreTrainedTokenizerFast``), and converts each to
+``save_pretrained``s it with its tokenizer (``PreTrainedTokenizerFast``, ``text.save_tiny_tokenizer``), and converts each to
 every output type the converter writes (``llama_cpp.OUTTYPES``) in one run of the converter;
 ``tests/conftest.py`` does it once per session.
 """
@@ -18,19 +18,9 @@ from tests.models import llama_cpp
 from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
 from tests.models.gpt_oss import save_tiny_gpt_oss
 from tests.models.moe import randomize, save_tiny_moe
-from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import save_tiny_tokenizer
 
 VOCAB_SIZE = 320
-
-
-def save_tokenizer(directory: Path) -> None:
-    """The tiny byte-level BPE (``train_tiny_tokenizer``) saved by transformers' tokenizer class."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(300), bos_token=SPECIAL_TOKENS[0],
-                                  eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0], model_max_length=512)
-    tok.chat_template = CHATML_TEMPLATE
-    tok.save_pretrained(str(directory))
 
 
 def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
@@ -50,7 +40,7 @@ def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
     randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
-    save_tokenizer(directory)
+    save_tiny_tokenizer(directory)
     return directory
 
 
