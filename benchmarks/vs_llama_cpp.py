@@ -67,6 +67,9 @@ SEATS = 16
 SUMMARY = HERE / "vs_llama_cpp.json"
 README = HERE / "README.md"
 BEGIN, END = "<!-- llama-cpp:begin (written by vs_llama_cpp.py) -->", "<!-- llama-cpp:end -->"
+PROSE_BEGIN = "<!-- llama-cpp-ranges:begin (written by vs_llama_cpp.py) -->"
+PROSE_END = "<!-- llama-cpp-ranges:end -->"
+TOP_README = HERE.parent / "README.md"
 SERVERS = ("ifb", "llama.cpp")
 #: A-B-B-A, each pair of runs on its own prompts (the workload's seed + 1000 * the number): a server
 #: never sees a prompt again, so a prompt cache (llama.cpp keeps each slot's last prompt) cannot
@@ -237,6 +240,77 @@ def _mean(runs: list[dict], key: str) -> float:
     return sum(r[key] for r in runs) / len(runs)
 
 
+#: how a cell's run-to-run spread decides between a win and a tie (said under every table)
+TIE_RULE = ("A cell is a tie, not a win, when its ratio differs from 1 by no more than the run-to-run spread: "
+            "each server's spread is its runs' max minus min over their mean, and the larger of the two counts.")
+
+
+def _rates(runs: list[dict]) -> list[float]:
+    return [r["output_tokens_per_s"] for r in runs]
+
+
+def spread(runs: list[dict]) -> float:
+    """One server's run-to-run spread on a workload: (max - min) / mean of its runs' tokens/s."""
+    rates = _rates(runs)
+    return (max(rates) - min(rates)) / (sum(rates) / len(rates))
+
+
+def is_tie(runs: dict[str, list[dict]]) -> bool:
+    """Whether one workload's ratio is within the spread of either server (``TIE_RULE``)."""
+    ratio = _mean(runs["ifb"], "output_tokens_per_s") / _mean(runs["llama.cpp"], "output_tokens_per_s")
+    return abs(ratio - 1) <= max(spread(runs["ifb"]), spread(runs["llama.cpp"]))
+
+
+def _span(values: list[float], unit: str = "x", digits: int = 2) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.{digits}f}{unit}" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else \
+        f"{lo:.{digits}f}-{hi:.{digits}f}{unit}"
+
+
+def bandwidth_fraction(summary: dict, model: dict, server: str) -> float:
+    """A server's batch-1 tokens/s times the file's bytes a token, over the run's read bandwidth."""
+    rate = _mean(model["workloads"]["batch1"][server], "output_tokens_per_s")
+    return rate * model["bytes_per_token"] / 1e9 / model.get("bandwidth_gb_s", summary["bandwidth_gb_s"])
+
+
+def render_prose(summary: dict) -> str:
+    """The ranges the READMEs quote, from ``summary``: batch 1, the batched workloads, prompt-heavy,
+    and the ``int8`` rows, each as ifb's output tokens/s over llama.cpp's, ties counted apart."""
+    groups: dict[str, tuple[list[float], list[str]]] = {}
+    for m in summary["models"]:
+        mode = "int8" if m.get("quantization") == "int8" else "default"
+        for w, runs in m["workloads"].items():
+            if not runs:
+                continue
+            key = f"{mode}:{'batch1' if w == 'batch1' else 'prompt_heavy' if w == 'prompt_heavy' else 'batched'}"
+            ratio = _mean(runs["ifb"], "output_tokens_per_s") / _mean(runs["llama.cpp"], "output_tokens_per_s")
+            ratios, ties = groups.setdefault(key, ([], []))
+            (ties.append(f"{m['title']}, {w}") if is_tie(runs) else ratios.append(ratio))
+
+    def said(key: str, what: str) -> str:
+        ratios, ties = groups.get(key, ([], []))
+        wins = f"{_span(ratios)}" if ratios else "no win"
+        tie = f" (a tie: {', '.join(ties)})" if ties else ""
+        return f"{what} {wins}{tie}"
+
+    machine = summary["machine"]
+    parts = [said("default:batch1", "batch 1"), said("default:batched", "the batched workloads"),
+             said("default:prompt_heavy", "prompt-heavy")]
+    int8 = [said("int8:batch1", "batch 1"), said("int8:prompt_heavy", "prompt-heavy")] \
+        if any(k.startswith("int8:") for k in groups) else []
+    text = (f"Against llama.cpp's server on the same GGUF files ({machine['cpu']}, {machine['cores']} cores, "
+            f"{machine['date']}; {len(summary['models'])} rows), ifb's output tokens/s over llama.cpp's at its "
+            f"default precision: {'; '.join(parts)}.")
+    if int8:
+        text += f" With `--quantization int8` (llama.cpp's precision): {'; '.join(int8)}."
+    fractions = {name: [100 * bandwidth_fraction(summary, m, name) for m in summary["models"]
+                        if m["workloads"].get("batch1")] for name in SERVERS}
+    if fractions["ifb"]:
+        text += (f" At batch 1 ifb reads {_span(fractions['ifb'], ' %', 0)} of the measured read bandwidth's "
+                 f"worth of the file's bytes a second, llama.cpp {_span(fractions['llama.cpp'], ' %', 0)}.")
+    return text + " " + TIE_RULE
+
+
 def render(summary: dict) -> str:
     machine = summary["machine"]
     rates = sorted({round(m.get("bandwidth_gb_s", summary["bandwidth_gb_s"]), 1) for m in summary["models"]}
@@ -262,18 +336,15 @@ def render(summary: dict) -> str:
                 continue
             a, b = _mean(runs["ifb"], "output_tokens_per_s"), _mean(runs["llama.cpp"], "output_tokens_per_s")
             errors = sum(r["num_errors"] for rs in runs.values() for r in rs)
-            cells.append(f"{a:.1f} / {b:.1f} (**{a / b:.2f}x**)" + (f" {errors} errors" if errors else ""))
-        frac = []
-        if "batch1" in m["workloads"]:
-            for name in SERVERS:
-                rate = _mean(m["workloads"]["batch1"][name], "output_tokens_per_s")
-                bandwidth = m.get("bandwidth_gb_s", summary["bandwidth_gb_s"])
-                frac.append(f"{100 * rate * m['bytes_per_token'] / 1e9 / bandwidth:.0f} %")
+            verdict = f"{a / b:.2f}x, tie" if is_tie(runs) else f"**{a / b:.2f}x**"
+            cells.append(f"{a:.1f} / {b:.1f} ({verdict})" + (f" {errors} errors" if errors else ""))
+        frac = [f"{100 * bandwidth_fraction(summary, m, name):.0f} %" for name in SERVERS] \
+            if m["workloads"].get("batch1") else []
         mem = " ; ".join(f"{m['memory_mib_loaded'][n]['rss']:.0f} / {m['memory_mib_after'][n]['peak']:.0f}"
                          for n in SERVERS)
         lines.append(f"| {m['title']}, {m['bytes_per_token'] / 2**20:.0f} MiB a token | " + " | ".join(cells)
                      + f" | {' / '.join(frac) or '-'} | {mem} |")
-    lines += ["", "Cells: ifb / llama.cpp (ratio). Memory: ifb ; llama.cpp."]
+    lines += ["", "Cells: ifb / llama.cpp (ratio). " + TIE_RULE + " Memory: ifb ; llama.cpp."]
     return "\n".join(lines)
 
 
@@ -346,17 +417,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def replace_block(text: str, begin: str, end: str, body: str) -> str:
+    """``text`` with what lies between ``begin`` and ``end`` replaced by ``body``."""
+    if begin not in text or end not in text:
+        raise ValueError(f"the markers {begin} ... {end} are missing")
+    head, rest = text.split(begin, 1)
+    return head + f"{begin}\n{body}\n{end}" + rest.split(end, 1)[1]
+
+
+def published_texts(summary: dict) -> dict[Path, str]:
+    """Each README as ``summary`` writes it: the table and the ranges (``benchmarks/README.md``), and
+    the ranges again in the top-level README."""
+    table = replace_block(README.read_text(), BEGIN, END, render(summary))
+    return {README: replace_block(table, PROSE_BEGIN, PROSE_END, render_prose(summary)),
+            TOP_README: replace_block(TOP_README.read_text(), PROSE_BEGIN, PROSE_END, render_prose(summary))}
+
+
 def publish(summary: dict) -> None:
-    """``summary`` as ``vs_llama_cpp.json``, and its table in the README between the markers."""
+    """``summary`` as ``vs_llama_cpp.json``, and its table and ranges in the READMEs between the markers."""
     SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
-    text = README.read_text()
-    block = f"{BEGIN}\n{render(summary)}\n{END}"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## Against llama.cpp\n\n{block}\n"
-    README.write_text(text)
+    for path, text in published_texts(summary).items():
+        path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ is normalized with the processor's dataset statistics when it has them, then zer
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.media.image_ops import to_array, to_rgb
 
 #: PIL's resample codes -> ``torch.nn.functional.interpolate`` modes (torchvision's mapping)
@@ -53,14 +53,9 @@ class Pi0Processing:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Pi0Processing:
-        """Read ``processor_config.json`` (its ``image_processor``, or a ``preprocessor_config.json`` beside it)."""
-        path = Path(path)
-        config_file = path / "processor_config.json"
-        cfg = json.loads(config_file.read_text()) if config_file.exists() else {}
-        image = cfg.get("image_processor")
-        if image is None and (path / "preprocessor_config.json").exists():
-            image = json.loads((path / "preprocessor_config.json").read_text())
-        image = image or {}
+        """The saved processor's settings, from either processor file (``ProcessorFiles``)."""
+        files = ProcessorFiles.read(path)
+        cfg, image = files.processor, files.image_processor
         resample = int(image.get("resample", 3))
         if resample not in _MODES:
             raise ValueError(f"pi0 image processor resample {resample} is not supported (0, 2 or 3)")

@@ -7,13 +7,13 @@ as Qwen3-Omni's processor calls it (``padding=True``: one clip is not padded to 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
+from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.media.mel import log_mel_features
 from ifb_plugins.common.media.qwen3_audio import AudioEncoder, AudioEncoderConfig
 from ifb_plugins.speech.weights import adopt, load_prefixed
@@ -21,7 +21,7 @@ from ifb_plugins.speech.weights import adopt, load_prefixed
 
 @attrs.frozen
 class FeatureConfig:
-    """The Whisper feature extractor's settings (``preprocessor_config.json``)."""
+    """The Whisper feature extractor's settings."""
 
     num_mels: int
     n_fft: int = 400
@@ -30,15 +30,15 @@ class FeatureConfig:
 
     @classmethod
     def read(cls, path: Path, num_mel_bins: int) -> "FeatureConfig":
-        file = path / "preprocessor_config.json"
-        raw = json.loads(file.read_text()) if file.exists() else {}
-        raw = raw.get("feature_extractor", raw)  # a processor_config.json nests it
+        """The checkpoint's settings, from either processor file (``ProcessorFiles``)."""
+        files = ProcessorFiles.read(path)
+        raw, where = files.feature_extractor, files.audio_source or str(path)
         if float(raw.get("dither", 0.0)) != 0.0:
-            raise ValueError(f"{file}: dither {raw['dither']} is not supported (deterministic features only)")
+            raise ValueError(f"{where}: dither {raw['dither']} is not supported (deterministic features only)")
         cfg = cls(int(raw.get("feature_size", num_mel_bins)), int(raw.get("n_fft", 400)),
                   int(raw.get("hop_length", 160)), int(raw.get("sampling_rate", 16000)))
         if cfg.num_mels != num_mel_bins:
-            raise ValueError(f"{file}: feature_size {cfg.num_mels} differs from the audio encoder's "
+            raise ValueError(f"{where}: feature_size {cfg.num_mels} differs from the audio encoder's "
                              f"num_mel_bins {num_mel_bins}")
         return cfg
 

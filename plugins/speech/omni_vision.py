@@ -15,7 +15,6 @@ sits at temporal id 0, whatever ``position_id_per_seconds``).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
 from ifb_plugins.common.media.qwen2_5_vl_vision import encode_image
 from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
@@ -45,10 +45,9 @@ def tower_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def image_processing(path: Path, vision: Qwen3VisionConfig) -> QwenVLImageProcessing:
-    """The checkpoint's image processor settings (``preprocessor_config.json``), which must cut the tower's patches."""
-    file = path / "preprocessor_config.json"
-    raw = json.loads(file.read_text()) if file.exists() else {}
-    raw = raw.get("image_processor", raw)  # a processor_config.json nests it
+    """The checkpoint's image processor settings (either processor file), which must cut the tower's patches."""
+    files = ProcessorFiles.read(path)
+    raw, file = files.image_processor, files.image_source or str(path)
     kind = raw.get("image_processor_type")
     if kind is not None and kind not in IMAGE_PROCESSORS:
         raise ValueError(f"{file}: image processor {kind!r} is not supported (Qwen2VLImageProcessor)")

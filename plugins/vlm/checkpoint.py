@@ -4,7 +4,8 @@ transformers 5 saves the decoder as ``language_model.model.*`` and the towers
 without their old ``vision_model.`` level; the hub's older checkpoints nest the
 tower (``vision_tower.vision_model.*``); an in-memory state dict says
 ``model.language_model.*``. ``split_state`` maps every spelling of a part to the
-same names and refuses weights that belong to no part.
+same names and refuses weights that belong to no part. The processor's settings come from the
+shared reader (``ProcessorFiles``, either file, as transformers reads them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model
 from ifb_plugins.common.models.decoder import TextModel
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
+from ifb_plugins.common.loading.processor import ProcessorFiles  # noqa: F401 (the loaders here take it from this module)
 
 #: the decoder's weight prefixes, each with what it becomes in ``TextModel``'s names
 TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -51,24 +53,6 @@ def with_text_defaults(text_config: Mapping[str, Any]) -> dict[str, Any]:
 def read_json(path: Path, name: str) -> dict[str, Any]:
     file = path / name
     return json.loads(file.read_text()) if file.exists() else {}
-
-
-@attrs.frozen
-class ProcessorFiles:
-    """A processor's saved settings: transformers 5 nests them in ``processor_config.json``, older
-    checkpoints keep the image processor or feature extractor in ``preprocessor_config.json``."""
-
-    processor: dict[str, Any]
-    image_processor: dict[str, Any]
-    feature_extractor: dict[str, Any]
-
-    @classmethod
-    def read(cls, path: Path) -> ProcessorFiles:
-        processor = read_json(path, "processor_config.json")
-        legacy = read_json(path, "preprocessor_config.json")
-        image = processor.get("image_processor") or (legacy if "image_processor_type" in legacy else {})
-        audio = processor.get("feature_extractor") or (legacy if "feature_extractor_type" in legacy else {})
-        return cls(processor, dict(image), dict(audio))
 
 
 def split_state(state: Mapping[str, torch.Tensor], parts: Mapping[str, Sequence[str]], where: str = "checkpoint",

@@ -1,7 +1,7 @@
 """Tiny checkpoints that transformers saved, and their GGUF files as llama.cpp's converter writes them.
 
 ``convert_families`` builds one tiny random model per family with transformers' own classes,
-``save_pretrained``s it with its tokenizer (``PreTrainedTokenizerFast``), and converts each to
+``save_pretrained``s it with its tokenizer (``PreTrainedTokenizerFast``, ``text.save_tiny_tokenizer``), and converts each to
 every output type the converter writes (``llama_cpp.OUTTYPES``) in one run of the converter;
 ``tests/conftest.py`` does it once per session.
 """
@@ -18,29 +18,21 @@ from tests.models import llama_cpp
 from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
 from tests.models.gpt_oss import save_tiny_gpt_oss
 from tests.models.moe import randomize, save_tiny_moe
-from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import save_tiny_tokenizer
 
 VOCAB_SIZE = 320
 
 
-def save_tokenizer(directory: Path) -> None:
-    """The tiny byte-level BPE (``train_tiny_tokenizer``) saved by transformers' tokenizer class."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(300), bos_token=SPECIAL_TOKENS[0],
-                                  eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0], model_max_length=512)
-    tok.chat_template = CHATML_TEMPLATE
-    tok.save_pretrained(str(directory))
-
-
 def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny Llama, Qwen2 (biased Q/K/V, untied head) or Qwen3 (Q/K norms) from transformers' classes."""
+    """A tiny Llama, Mistral, Qwen2 (biased Q/K/V, untied head) or Qwen3 (Q/K norms) from transformers' classes."""
     import transformers
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   bos_token_id=0, eos_token_id=2, tie_word_embeddings=arch != "qwen2")
     config = {"llama": lambda: transformers.LlamaConfig(**common),
+              # no window: the tiny prompts are shorter than any, and the reference then attends to all
+              "mistral": lambda: transformers.MistralConfig(sliding_window=None, **common),
               "qwen2": lambda: transformers.Qwen2Config(**common),
               "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common)}[arch]()
     torch.manual_seed(seed)
@@ -48,7 +40,7 @@ def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
     randomize(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))
-    save_tokenizer(directory)
+    save_tiny_tokenizer(directory)
     return directory
 
 
@@ -56,6 +48,7 @@ def save_tiny_dense(directory: Path, arch: str, seed: int = 0) -> Path:
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "llama": lambda d: save_tiny_dense(d, "llama", seed=3),
     "qwen2": lambda d: save_tiny_dense(d, "qwen2", seed=4),
+    "mistral": lambda d: save_tiny_dense(d, "mistral", seed=13),
     "qwen3": lambda d: save_tiny_dense(d, "qwen3", seed=5),
     "qwen3_moe": lambda d: save_tiny_moe(d, "qwen3_moe", seed=6),
     "mixtral": lambda d: save_tiny_moe(d, "mixtral", seed=7),

@@ -10,12 +10,11 @@ layer's tiny BPE.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 import torch
 
-from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import save_tiny_tokenizer
 
 VOCAB_SIZE = 320
 HIDDEN_SIZE = 64
@@ -60,14 +59,7 @@ def _save(model, directory: str | Path, seed: int, mamba_heads: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     _redraw(model, seed, mamba_heads)
     model.save_pretrained(str(directory))
-    tok = train_tiny_tokenizer(vocab_size=min(300, VOCAB_SIZE))
-    tok.save(str(directory / "tokenizer.json"))
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
-        "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
-        "model_max_length": 512,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    save_tiny_tokenizer(directory, min(300, VOCAB_SIZE))
     return directory
 
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from ifb_plugins.common.layers.moe import fuse_expert_state
-from tests.models.text import CHATML_TEMPLATE, SPECIAL_TOKENS, train_tiny_tokenizer
+from tests.models.text import saved_chat_template, save_tiny_tokenizer
 
 MoeArch = Literal["qwen3_moe", "qwen2_moe", "mixtral"]
 _GGUF_ARCH = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
@@ -67,12 +67,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tokenizer_files(directory: Path) -> None:
-    """The tiny byte-level BPE tokenizer and a ChatML template, as a HF checkpoint holds them."""
-    train_tiny_tokenizer(300).save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
-        "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
-        "model_max_length": 512}, indent=2))
+    """The tiny byte-level BPE tokenizer and a ChatML template, saved by transformers' tokenizer class."""
+    save_tiny_tokenizer(directory)
 
 
 def save_tiny_moe(directory: str | Path, arch: MoeArch, seed: int = 0, *, fused: bool = False,
@@ -109,7 +105,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, bos: int, 
     w.add_bos_token_id(bos)
     w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
-    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+    w.add_chat_template(saved_chat_template(hf_dir))
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ifb_plugins.common.layers.attention import build_attn_metadata
@@ -61,35 +61,22 @@ def train_tiny_tokenizer(vocab_size: int = 300) -> Tokenizer:
     return tok
 
 
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+def _hf_config(arch: str, sizes: dict[str, int], head_dim: int, tie: bool, rope_scaling: dict[str, Any] | None):
+    """The tiny model's config, built by transformers' own config class for ``arch``."""
+    import transformers
 
-
-def _hf_config(
-    arch: str, sizes: dict[str, int], head_dim: int, tie: bool, rope_scaling: dict[str, Any] | None
-) -> dict[str, Any]:
-    """A config.json in the transformers 4.x spelling (5.x reads it too)."""
-    cfg: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[arch]],
-        "model_type": arch,
-        **sizes,
-        "hidden_act": "silu",
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": tie,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-    }
+    common: dict[str, Any] = dict(**sizes, hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1e-5,
+                                  tie_word_embeddings=tie, bos_token_id=0, eos_token_id=2)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
     if rope_scaling is not None:
-        cfg["rope_scaling"] = rope_scaling
+        rope = {"rope_theta": 10000.0, **{k: v for k, v in rope_scaling.items() if k != "type"},
+                "rope_type": rope_scaling.get("rope_type", rope_scaling.get("type"))}
     if arch == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False, rope_parameters=rope)
     if arch == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None)
-    if arch == "qwen3":
-        cfg.update(head_dim=head_dim, attention_bias=False, use_sliding_window=False, sliding_window=None)
-    return cfg
+        return transformers.Qwen2Config(**common, use_sliding_window=False, rope_parameters=rope)
+    return transformers.Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False,
+                                    rope_parameters=rope)
 
 
 def _random_weights(cfg: dict[str, Any], head_dim: int, seed: int) -> dict[str, torch.Tensor]:
@@ -143,11 +130,14 @@ def save_tiny_checkpoint(
     tie_word_embeddings: bool | None = None,
     rope_scaling: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a tiny random-weight HF checkpoint (config, safetensors, tokenizer files); returns the dir.
+    """A tiny random-weight checkpoint built by transformers' classes and written by ``save_pretrained``
+    (the tokenizer by ``PreTrainedTokenizerFast``); returns the dir.
 
     Defaults tie the embeddings for llama and qwen3 and not for qwen2, so both
     output-head layouts are covered.
     """
+    import transformers
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tie = arch != "qwen2" if tie_word_embeddings is None else tie_word_embeddings
@@ -160,23 +150,35 @@ def save_tiny_checkpoint(
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
     }
-    cfg = _hf_config(arch, sizes, head_dim, tie, rope_scaling)
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
-    weights = _random_weights(cfg, head_dim, seed)
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = _hf_config(arch, sizes, head_dim, tie, rope_scaling)
+    weights = _random_weights({**sizes, "model_type": arch, "tie_word_embeddings": tie}, head_dim, seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if tie else set()), (missing, unexpected)
+    model.tie_weights()
+    model.save_pretrained(str(directory))
 
-    tok = train_tiny_tokenizer(vocab_size=min(300, vocab_size))
-    tok.save(str(directory / "tokenizer.json"))
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHATML_TEMPLATE,
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[2],
-        "pad_token": SPECIAL_TOKENS[0],
-        "model_max_length": 512,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    save_tiny_tokenizer(directory, min(300, vocab_size))
     return directory
+
+
+def save_tiny_tokenizer(directory: str | Path, vocab_size: int = 300) -> None:
+    """The tiny byte-level BPE with a ChatML template, saved by transformers' ``PreTrainedTokenizerFast``."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(vocab_size), bos_token=SPECIAL_TOKENS[0],
+                                  eos_token=SPECIAL_TOKENS[2], pad_token=SPECIAL_TOKENS[0], model_max_length=512)
+    tok.chat_template = CHATML_TEMPLATE
+    tok.save_pretrained(str(directory))
+
+
+def saved_chat_template(hf_dir: str | Path) -> str:
+    """A checkpoint's chat template: ``chat_template.jinja`` (transformers 5), else ``tokenizer_config.json``."""
+    hf_dir = Path(hf_dir)
+    template = hf_dir / "chat_template.jinja"
+    if template.exists():
+        return template.read_text()
+    return json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
 _GGUF_LAYER = {hf: g for g, hf in GGUF_LAYER_NAMES.items()}
@@ -216,7 +218,7 @@ def save_tiny_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
 
@@ -237,7 +239,7 @@ def save_tiny_gguf(
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+    w.add_chat_template(saved_chat_template(hf_dir))
 
     gguf_names = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
     state = load_file(str(hf_dir / "model.safetensors"))

@@ -96,3 +96,32 @@ def test_converted_gguf_serves_transformers_greedy_tokens_under_in_flight_batchi
             got = submit_staggered(llm.engine, [RequestSpec(prompt_token_ids=tuple(p), params=params)
                                                 for p in PROMPTS], gap_steps=1)
         assert [list(r.token_ids) for r in got] == want, (family, outtype)
+
+
+def test_mistral_on_the_native_decoder_serves_transformers_greedy_tokens_under_in_flight_batching(
+        llama_cpp_families) -> None:
+    """The Mistral architecture on the native path: llama.cpp's q8_0 file of a ``MistralForCausalLM``, served
+    by the native whole-stack decoder under in-flight batching (staggered, joins asserted), gives
+    transformers' greedy tokens on the file's dequantized weights, in the default (integer) mode alone
+    and batched alike, and in ``weights-only`` exactly transformers'."""
+    from ifb_plugins.common.models.native_decoder import NativeDecoder
+
+    converted = llama_cpp_families["mistral"]
+    path = converted.ggufs["q8_0"]
+    ref = hf_model(converted.hf_dir)
+    assert type(ref).__name__ == "MistralForCausalLM"
+    ref.load_state_dict(load_checkpoint(path).state_dict, strict=False)
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    specs = [RequestSpec(prompt_token_ids=tuple(p), params=params) for p in PROMPTS]
+    for quantization in ("auto", "weights-only"):
+        with LLM(model=str(path), quantization=quantization, enable_in_flight_batching=True, max_batch_size=4,
+                 max_num_batched_tokens=8) as llm:
+            assert isinstance(llm.deployment.runtime.model.layer_stack, NativeDecoder), quantization
+            alone = [list(llm.engine.submit(s).result().token_ids) for s in specs]
+            got = [list(r.token_ids) for r in submit_staggered(llm.engine, specs, gap_steps=1)]
+        assert got == alone, quantization
+        if quantization == "weights-only":
+            assert got == want

@@ -22,7 +22,7 @@ from ifb.kv import BlockManager
 from ifb.params import RequestSpec, SamplingParams
 from ifb.scheduler import Scheduler
 from ifb_plugins.context_cache.hybrid import HybridPrefixCache
-from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_h
+from tests.models.hybrid import SAVERS, save_tiny_nemotron_h
 
 from tests.core.fakes import FakeRuntime
 from tests.helpers import submit_staggered
@@ -186,10 +186,10 @@ def _bits(result):
     return result.token_ids, tuple(lp.logprob for lp in result.logprobs)
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=list(SAVERS))
 def model_dir(request, tmp_path_factory):
-    save = save_tiny_nemotron_h if request.param == "nemotron_h" else save_tiny_granite_hybrid
-    return save(tmp_path_factory.mktemp(request.param), seed=2)
+    """Every family the hybrid deployment names (Nemotron-H, Bamba, Granite 4.0 hybrid)."""
+    return SAVERS[request.param](tmp_path_factory.mktemp(request.param), seed=2)
 
 
 def _specs(seed: int, n: int = 6):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,6 +15,10 @@ TALKER_VOCAB = 32 + 1024
 OMNI_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_bos|>", "<|tts_eos|>", "<|audio_pad|>",
                 "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|vision_start|>", "<|vision_end|>",
                 "<|audio_end|>"]
+#: the tokens Qwen3-Omni's processor finds by role on its tokenizer
+TOKEN_ROLES = {"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
+               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+               "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
 #: Qwen3-Omni's template, cut down: a string content, or text / audio / image parts (one placeholder each)
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
                  "{{ m['content'] }}{% else %}{% for p in m['content'] %}"
@@ -36,7 +39,8 @@ def omni_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=288, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(["system", "user", "assistant"] * 8 + ["Say hi.", "Hello there, how are you?"], trainer)
     bpe.add_special_tokens([AddedToken(t, special=True) for t in OMNI_SPECIAL])
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE,
+                                   extra_special_tokens=dict(TOKEN_ROLES))
 
 
 def tiny_omni_config(tokenizer):
@@ -132,8 +136,22 @@ def save_tiny_omni(path: Path, seed: int = 0):
         for p in model.talker.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    # one preprocessor_config.json holds both, as in Qwen's published Omni checkpoints
-    merged = {**feature_extractor().to_dict(), **image_processor().to_dict()}
-    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, default=str))
+    processor(tokenizer).save_pretrained(path)  # transformers 5: one processor_config.json, settings nested
     return model
+
+
+def processor(tokenizer):
+    """``Qwen3OmniMoeProcessor`` over the tiny image processor, feature extractor and tokenizer.
+
+    Its video processor (Qwen2-VL's) needs torchvision, which the suite does not install, and ifb
+    takes no video: SmolVLM's video processor, which needs none, stands in its place.
+    """
+    from transformers import Qwen3OmniMoeProcessor
+    from transformers.models.smolvlm.video_processing_smolvlm import SmolVLMVideoProcessor
+
+    from tests.plugins.vlm.tiny import video_processor_class
+
+    with video_processor_class():
+        return Qwen3OmniMoeProcessor(image_processor=image_processor(), video_processor=SmolVLMVideoProcessor(),
+                                     feature_extractor=feature_extractor(), tokenizer=tokenizer,
+                                     chat_template=CHAT_TEMPLATE)

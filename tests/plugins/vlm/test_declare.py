@@ -98,16 +98,33 @@ def test_the_image_token_must_be_a_special_token(vlm_checkpoint, tmp_path):
         load_vlm(path)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"size": {"height": 48, "width": 48}}, "makes \\(48, 48\\) images but the vision tower takes 32x32"),
-    ({"image_processor_type": "ConvNextImageProcessor"}, "image processor 'ConvNextImageProcessor' is not supported"),
+def siglip_at_48():
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": 48, "width": 48})
+
+
+def convnext():
+    from transformers.models.convnext.image_processing_pil_convnext import ConvNextImageProcessorPil
+
+    return ConvNextImageProcessorPil()
+
+
+@pytest.mark.parametrize("image_processor, message", [
+    (siglip_at_48, "makes \\(48, 48\\) images but the vision tower takes 32x32"),
+    (convnext, "image processor 'ConvNextImageProcessor' is not supported"),
 ])
-def test_an_image_processor_the_tower_cannot_take_is_refused(vlm_checkpoint, tmp_path, change, message):
+def test_an_image_processor_the_tower_cannot_take_is_refused(vlm_checkpoint, tmp_path, image_processor, message):
+    import transformers
+
     path = tmp_path / "ckpt"
     shutil.copytree(vlm_checkpoint, path)
-    cfg = json.loads((path / "processor_config.json").read_text())
-    cfg["image_processor"].update(change)
-    (path / "processor_config.json").write_text(json.dumps(cfg))
+    saved = transformers.AutoProcessor.from_pretrained(path)
+    transformers.LlavaProcessor(  # the same processor over another image processor, saved by its class
+        image_processor=image_processor(), tokenizer=saved.tokenizer, patch_size=saved.patch_size,
+        vision_feature_select_strategy=saved.vision_feature_select_strategy,
+        num_additional_image_tokens=saved.num_additional_image_tokens,
+        chat_template=saved.chat_template).save_pretrained(path)
     with pytest.raises(ValueError, match=message):
         load_vlm(path)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model
@@ -52,7 +53,7 @@ def ours(checkpoint):
     tower = Qwen2_5VisionTower(config.vision)
     tower.load_state_dict(vision_state, strict=True)
     text = build_model(LoadedCheckpoint(config.text, text_state, None, "hf", checkpoint))
-    pre = QwenVLImageProcessing.from_hf(json.loads((checkpoint / "preprocessor_config.json").read_text()))
+    pre = QwenVLImageProcessing.from_hf(ProcessorFiles.read(checkpoint).image_processor)
     return config, tower.eval(), text, pre
 
 

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from ifb import LLM, SamplingParams
+from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.vlm.qwen2_5_vl import split_state
 from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
@@ -66,7 +67,7 @@ def test_tower_and_deepstack_features_equal_transformers(checkpoint, processor, 
     config = json.loads((checkpoint / "config.json").read_text())
     tower = Qwen3VisionTower(Qwen3VisionConfig.from_hf(config["vision_config"]))
     tower.load_state_dict(split_state(load_hf_state_dict(checkpoint))[1], strict=True)
-    pre = QwenVLImageProcessing.from_hf(json.loads((checkpoint / "preprocessor_config.json").read_text()))
+    pre = QwenVLImageProcessing.from_hf(ProcessorFiles.read(checkpoint).image_processor)
     img = picture(5, *size)
     ref = processor.image_processor(images=[img], return_tensors="pt")
     with torch.no_grad():
