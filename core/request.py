@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from ifb.best_of import BestOf
 from ifb.capabilities import OptionSupport
 from ifb.detok import IncrementalDetokenizer
 from ifb.outputs import RequestHandle
@@ -95,3 +96,5 @@ class RequestGroup:
     leader: "Request | None" = None
     #: the sequences waiting in their seats to fork from the leader once it has prefilled the prompt
     followers: list["Request"] = attrs.field(factory=list)
+    #: a ``best_of`` request's held candidates (None: every sequence is a choice, streamed as it goes)
+    best_of: BestOf | None = None
