@@ -111,6 +111,7 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
     return Request(
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
+        num_unsalted_tokens=prepared.num_unsalted_tokens,
         is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
         supports_drafts=prepared.supports_drafts,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
@@ -140,6 +141,7 @@ def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> lis
         sequences.append(Request(
             request_id=f"{request.request_id}-{i}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
             max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
+            num_unsalted_tokens=request.num_unsalted_tokens, num_pinned_tokens=request.num_pinned_tokens,
             detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
             founder_only=request.founder_only, runs_alone=request.runs_alone,

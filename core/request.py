@@ -34,6 +34,8 @@ class Request:
     state: Any = None
     #: ``Prepared.kv_salt``: what besides the tokens makes this request's KV its own
     kv_salt: str | None = None
+    #: ``Prepared.num_unsalted_tokens``: the leading tokens whose KV the salt does not change
+    num_unsalted_tokens: int = 0
     #: served whole by the runtime's ``handle_request`` (``Prepared.is_served_whole``)
     is_served_whole: bool = False
     #: ``Prepared.num_pinned_tokens``: the prompt prefix the context cache keeps for good
