@@ -56,6 +56,10 @@ TALKER_SAMPLING = Sampling(True, top_k=50, top_p=1.0, temperature=0.9)
 PREDICTOR_SAMPLING = Sampling(True, top_k=50, top_p=0.8, temperature=1.0)
 REPETITION_PENALTY = 1.05
 MAX_FRAMES = 4096
+#: how a PEFT adapter names the Thinker's decoder: made on the bundle or on the Thinker, by transformers 5
+#: (``language_model``) or as the checkpoint nests it
+ADAPTER_PREFIXES = (("thinker.model.language_model.", "model."), ("model.language_model.", "model."),
+                    ("thinker.model.layers.", "model.layers."), ("model.layers.", "model.layers."))
 
 
 @attrs.frozen
@@ -247,7 +251,5 @@ def load_omni_runtime(config: DeployConfig, caps: DeploymentCaps) -> OmniRuntime
                        model=thinker,
                        tokenizer=tokenizer, caps=caps, config=config,
                        model_name=config.options.get("served_model_name") or path.name,
-                       # an adapter made on the whole bundle names the Thinker's decoder under thinker.
-                       lora=lora_set(thinker, config, prefixed_names((("thinker.model.", "model."),
-                                                                      ("model.layers.", "model.layers.")))))
+                       lora=lora_set(thinker, config, prefixed_names(ADAPTER_PREFIXES)))
 

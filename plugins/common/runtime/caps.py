@@ -41,8 +41,9 @@ def text_options(*, context_reuse: bool = False) -> dict[str, OptionSupport]:
             Support.SERVED, reason="Each row applies its own adapter: rows are grouped by adapter, base rows "
                                    "untouched (--lora NAME=DIR, --max-loras, --max-lora-rank)."),
         "n_sequences": OptionSupport(
-            Support.SERVED, reason="One prefill; the n sequences share the prompt's KV blocks (copy on write of "
-                                   "the last) and each samples its own stream; n is at most the batch size."),
+            Support.SERVED, reason="One prefill; the n sequences (best_of candidates) share the prompt's KV blocks "
+                                   "(copy on write of the last) and each samples its own stream; n and best_of are "
+                                   "at most the batch size."),
         "save_system_prompt_kv_cache": OptionSupport(
             Support.SERVED, reason="The capture publishes the system prompt into the context cache and later "
                                    "requests lease it.")
