@@ -83,7 +83,7 @@ def test_n_over_an_image_prompt_shares_its_prefill_and_equals_seeded_singles(llm
                 for i in range(3)]
     assert len(set(expected)) == 3
     target = image_chat(1, params=attrs.evolve(SEEDED, n=3))
-    mates = [text_chat("Hello there, how are you?", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+    mates = [text_chat("Hello there, how are you?", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)),
              image_chat(2, "Hello there")]
     mates_alone = [alone(llm, m).token_ids for m in mates]
     num_prompt = [len(runtime.prepare(s).prompt_token_ids) for s in (target, *mates)]
@@ -96,7 +96,7 @@ def test_n_over_an_image_prompt_shares_its_prefill_and_equals_seeded_singles(llm
             time.sleep(0.0005)
     assert choices(list(handles[1]), 3) == expected
     assert [handles[i].result().token_ids for i in (0, 2)] == mates_alone
-    assert engine.counters.admitted_mid_flight - joined >= 2
+    assert engine.counters.admitted_mid_flight - joined >= 1  # the n = 3 request joined the founder's batch
     assert engine.counters.computed_prompt_tokens - computed == num_prompt[0] - 1 + 3 + sum(num_prompt[1:])
     engine.blocks.check_no_leaks()
 
