@@ -28,6 +28,7 @@ def system_prefix_length(tokenizer, spec: RequestSpec, prompt_ids: list[int]) ->
 
 
 def system_messages(messages) -> list[dict]:
+    """The system messages of OpenAI-style ``messages``, in order (what a capture keeps)."""
     return [m for m in messages if m.get("role") == "system"]
 
 
