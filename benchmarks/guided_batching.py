@@ -1,19 +1,22 @@
 """Guided requests in a running batch: served with the plain ones, against running each alone.
 
 8 guided (JSON schema) and 8 plain requests arrive staggered (one every ``--gap`` seconds, guided and
-plain alternating) at a 16-seat in-flight engine on the default model. Run twice in one process on
-the same runtime:
+plain alternating) at a 16-seat in-flight engine on the default model. Run four times in one process on
+the same runtime, A-B-B-A:
 
 - ``served``: this build's declaration: guided requests join the running batch and plain ones join theirs;
 - ``runs-alone``: the spec's V0 policy (the runtime declared ``runs-alone`` for guided decoding): a guided
   request waits for the batch to drain, then runs with nobody joining.
 
 Reported per run: aggregate tokens/s (generated tokens / wall time from the first arrival to the last
-finish), steps in which guided and plain rows shared the forward, and that every guided output
-validates against its schema. Then, at 16 guided seats decoding together, the step time with the
-masks computed while the forward runs (a worker thread) and after it (on the engine thread).
+finish), steps in which guided and plain rows shared the forward, that every guided output
+validates against its schema, and where a served step's time goes: the whole step, the forward, and the
+guided work (masks computed on the worker thread, the step's wait for them after its forward, applying
+them, advancing the matchers), per step with guided rows. Then, at 16 guided seats decoding together,
+the step time with the masks computed while the forward runs (a worker thread) and after it (on the
+engine thread). The raw numbers go to ``--out`` (under bench-results/, out of git).
 
-    python benchmarks/guided_batching.py [--gap 0.05] [--max-tokens 64]
+    python benchmarks/guided_batching.py [--gap 0.05] [--max-tokens 64] [--out bench-results/guided_batching.json]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import attrs
 
@@ -68,15 +72,29 @@ def workload(max_tokens: int) -> list[RequestSpec]:
 def run(engine: RequestEngine, specs: list[RequestSpec], gap: float) -> dict:
     runtime = engine.runtime
     shared = [0, 0]  # steps with guided and plain rows together, all steps
-    execute = runtime.execute
+    step_ms, forward_ms = [], []  # steps with guided rows: the whole step, its forward
+    execute, hidden = runtime.execute, runtime._hidden
 
     def counting(step):
         ids = [s.request_id for s in step.seqs]
         shared[0] += any(i.startswith("guided") for i in ids) and any(i.startswith("plain") for i in ids)
         shared[1] += 1
-        return execute(step)
+        start = time.perf_counter()
+        out = execute(step)
+        if any(i.startswith("guided") for i in ids):
+            step_ms.append((time.perf_counter() - start) * 1e3)
+        return out
 
-    runtime.execute = counting
+    def forward(step, seats):
+        start = time.perf_counter()
+        out = hidden(step, seats)
+        if any(s.request_id.startswith("guided") for s in step.seqs):
+            forward_ms.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    stats = runtime.guided.stats
+    before = attrs.asdict(stats)
+    runtime.execute, runtime._hidden = counting, forward
     try:
         start = time.perf_counter()
         handles = []
@@ -86,12 +104,18 @@ def run(engine: RequestEngine, specs: list[RequestSpec], gap: float) -> dict:
         results = [h.result() for h in handles]
         wall = time.perf_counter() - start
     finally:
-        del runtime.execute
+        del runtime.execute, runtime._hidden
+    spent = {k: (v - before[k]) / 1e6 / max(1, len(step_ms)) for k, v in attrs.asdict(stats).items() if k != "num_tokens"}
     tokens = sum(r.num_output_tokens for r in results)
     guided = [r for s, r in zip(specs, results) if s.request_id.startswith("guided")]
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "shared_steps": shared[0],
             "steps": shared[1], "guided_valid": sum(validates(r.text) for r in guided), "guided": len(guided),
-            "stalls_guided": engine.counters.stalls["stalls_guided"]}
+            "stalls_guided": engine.counters.stalls["stalls_guided"],
+            # per step with guided rows, in ms: medians of the step and its forward, means of the guided work
+            "guided_steps": len(step_ms), "step_ms": statistics.median(step_ms) if step_ms else 0.0,
+            "forward_ms": statistics.median(forward_ms) if forward_ms else 0.0,
+            "mask_compute_ms": spent["mask_ns"] - spent["apply_ns"], "mask_wait_ms": spent["wait_ns"],
+            "mask_apply_ms": spent["apply_ns"], "advance_ms": spent["advance_ns"]}
 
 
 def mask_overlap(llm: LLM, num_steps: int) -> dict:
@@ -130,32 +154,45 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between arrivals")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mask-steps", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "bench-results" / "guided_batching.json")
     args = parser.parse_args()
     specs = workload(args.max_tokens)
+    legs = ("served", "runs-alone", "runs-alone", "served")  # A-B-B-A
+    runs: list[tuple[str, dict]] = []
     with LLM(enable_in_flight_batching=True, max_batch_size=16, max_num_batched_tokens=512) as llm:
-        runtime = llm.deployment.runtime
+        runtime, config, options = llm.deployment.runtime, llm.deployment.config, llm.engine.options
         runtime.guided.compile(FORMAT)  # the vocabulary pass happens once, before timing
         run(llm.engine, specs[:2], 0.0)  # warm-up
-        served = run(llm.engine, specs, args.gap)
-        declared = runtime.caps
         llm.engine.shutdown()
-        runtime.caps = attrs.evolve(declared, options={**declared.options, "guided_decoding": OptionSupport(
+        declared = runtime.caps
+        alone_caps = attrs.evolve(declared, options={**declared.options, "guided_decoding": OptionSupport(
             Support.RUNS_ALONE, reason="the spec's V0 policy", stall_counter="stalls_guided")})
-        alone_engine = RequestEngine(runtime, llm.deployment.config, llm.engine.options)
-        try:
-            alone = run(alone_engine, specs, args.gap)
-        finally:
-            alone_engine.shutdown()
-            runtime.caps = declared
-        llm.deployment.engine = RequestEngine(runtime, llm.deployment.config, llm.engine.options)
+        for leg in legs:
+            runtime.caps = declared if leg == "served" else alone_caps
+            engine = RequestEngine(runtime, config, options)
+            try:
+                runs.append((leg, run(engine, specs, args.gap)))
+            finally:
+                engine.shutdown()
+                runtime.caps = declared
+        llm.deployment.engine = RequestEngine(runtime, config, options)
         masks = mask_overlap(llm, args.mask_steps)
-    for name, r in (("served", served), ("runs-alone", alone)):
+    for name, r in runs:
         print(f"{name:>10}: {r['tokens_per_s']:6.1f} tokens/s ({r['tokens']} tokens in {r['wall_s']:.1f} s); "
               f"guided and plain shared {r['shared_steps']} of {r['steps']} steps; "
               f"{r['guided_valid']}/{r['guided']} guided outputs validate; stalls_guided {r['stalls_guided']}")
-    print(f"served / runs-alone: {served['tokens_per_s'] / alone['tokens_per_s']:.2f}x")
+        print(f"{'':>10}  per step with guided rows: step {r['step_ms']:.1f} ms, forward {r['forward_ms']:.1f} ms, "
+              f"masks computed {r['mask_compute_ms']:.2f} ms (worker), waited for {r['mask_wait_ms']:.3f} ms, "
+              f"applied {r['mask_apply_ms']:.3f} ms, matchers advanced {r['advance_ms']:.3f} ms")
+    ratios = [runs[0][1]["tokens_per_s"] / runs[1][1]["tokens_per_s"],
+              runs[3][1]["tokens_per_s"] / runs[2][1]["tokens_per_s"]]
+    print(f"served / runs-alone, outer and inner pair: {ratios[0]:.2f}x, {ratios[1]:.2f}x")
     print(f"16 guided seats decoding, median step: masks during the forward {masks['overlapped']:.2f} ms, "
           f"after it {masks['after_forward']:.2f} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"legs": [{"leg": leg, **r} for leg, r in runs], "ratios": ratios,
+                                    "mask_overlap_ms": masks, "gap_s": args.gap, "max_tokens": args.max_tokens},
+                                   indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import uuid
 
 import attrs
 
+from ifb.best_of import BestOf, candidate_params
 from ifb.capabilities import DeployConfig, OptionSupport, RequestOption, Support
 from ifb.counters import SchedulingCounters
 from ifb.detok import IncrementalDetokenizer
@@ -110,6 +111,7 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
     return Request(
         request_id=request_id, spec=spec, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
         handle=RequestHandle(request_id, on_cancel), state=prepared.state, kv_salt=prepared.kv_salt,
+        num_unsalted_tokens=prepared.num_unsalted_tokens,
         is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
         supports_drafts=prepared.supports_drafts,
         detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
@@ -119,20 +121,27 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
 
 def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> list[Request]:
     """The n sequences of an n > 1 request, each its own request sharing its handle (sequence i seeded with
-    seed + i); the scheduler counts them as one request, finished with the last of them.
+    seed + i); the scheduler counts them as one request, finished with the last of them. A ``best_of``
+    request fans out into its ``best_of`` candidates, whose outputs the group holds (``ifb.best_of``).
 
     With ``shares_prefill`` (in-flight batching) they take their seats together and the first prefills the
     prompt for all (``ifb.fork``); otherwise they run one after another.
     """
     params = request.params
-    group = RequestGroup(num_open=params.n)
+    num = params.num_candidates
+    best_of = BestOf(params.n, keeps_logprobs=params.logprobs is not None) if num > params.n else None
+    group = RequestGroup(num_open=num, best_of=best_of)
     sequences = []
-    for i in range(params.n):
-        seed = {"seed": params.seed + i} if params.seed is not None else {}
-        spec = attrs.evolve(request.spec, params=attrs.evolve(params, n=1, **seed))
+    for i in range(num):
+        if best_of is not None:
+            sequence_params = candidate_params(params, i)
+        else:
+            sequence_params = attrs.evolve(params, n=1, **({"seed": params.seed + i} if params.seed is not None else {}))
+        spec = attrs.evolve(request.spec, params=sequence_params)
         sequences.append(Request(
             request_id=f"{request.request_id}-{i}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
             max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
+            num_unsalted_tokens=request.num_unsalted_tokens, num_pinned_tokens=request.num_pinned_tokens,
             detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
             founder_only=request.founder_only, runs_alone=request.runs_alone,
@@ -217,11 +226,13 @@ class RequestEngine:
         if request.is_served_whole and self.is_in_flight:
             raise RequestRejected("this request is served whole by its runtime, which only the blocking path does")
         queued: Request | list[Request] = request
-        if spec.params.n > 1:
-            if spec.params.n > self.scheduler.num_seats and self.is_in_flight:
+        num = spec.params.num_candidates
+        if num > 1:
+            if num > self.scheduler.num_seats and self.is_in_flight:
+                field = "n" if num == spec.params.n else "best_of"
                 raise InvalidRequest(
-                    f"n ({spec.params.n}) is more than the batch size ({self.scheduler.num_seats}): the n "
-                    "sequences of a request decode together, one seat each", param="n")
+                    f"{field} ({num}) is more than the batch size ({self.scheduler.num_seats}): the {num} "
+                    "sequences of a request decode together, one seat each", param=field)
             queued = fan_out(request, self.runtime.tokenizer, shares_prefill=self.is_in_flight)
         with self._cv:
             if self._stopping:

@@ -101,7 +101,7 @@ BUILTIN_OPTIONS: tuple[RequestOption, ...] = (
             Support.REJECTED, reason="Adapter weights are engine-wide under in-flight batching.",
             alternative=BLOCKING)),
     RequestOption(
-        name="n_sequences", title="More than one sequence per request", uses=lambda spec: spec.params.n > 1,
+        name="n_sequences", title="More than one sequence per request", uses=lambda spec: spec.params.num_candidates > 1,
         order=80, default=OptionSupport(
             Support.REJECTED, reason="The engine batches across requests, not within one.", alternative=BLOCKING)),
 )

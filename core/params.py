@@ -44,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    #: candidates generated for the n returned: those with the highest cumulative logprob (None: n)
+    best_of: int | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first out-of-range field."""
@@ -59,6 +61,13 @@ class SamplingParams:
         _check(len(self.stop) <= 8, "at most 8 stop strings are allowed")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(1 <= self.n <= 16, "n must be between 1 and 16")
+        if self.best_of is not None and not self.n <= self.best_of <= 16:
+            raise InvalidRequest(f"best_of ({self.best_of}) must be between n ({self.n}) and 16", param="best_of")
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated for the request: ``best_of`` where given, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

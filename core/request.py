@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from ifb.best_of import BestOf
 from ifb.capabilities import OptionSupport
 from ifb.detok import IncrementalDetokenizer
 from ifb.outputs import RequestHandle
@@ -33,6 +34,8 @@ class Request:
     state: Any = None
     #: ``Prepared.kv_salt``: what besides the tokens makes this request's KV its own
     kv_salt: str | None = None
+    #: ``Prepared.num_unsalted_tokens``: the leading tokens whose KV the salt does not change
+    num_unsalted_tokens: int = 0
     #: served whole by the runtime's ``handle_request`` (``Prepared.is_served_whole``)
     is_served_whole: bool = False
     #: ``Prepared.num_pinned_tokens``: the prompt prefix the context cache keeps for good
@@ -95,3 +98,5 @@ class RequestGroup:
     leader: "Request | None" = None
     #: the sequences waiting in their seats to fork from the leader once it has prefilled the prompt
     followers: list["Request"] = attrs.field(factory=list)
+    #: a ``best_of`` request's held candidates (None: every sequence is a choice, streamed as it goes)
+    best_of: BestOf | None = None

@@ -182,6 +182,9 @@ class Prepared:
     #: what besides the tokens makes this request's KV its own (media, an adapter): the context cache keys
     #: its blocks by it, so equal token ids under another salt never share KV
     kv_salt: str | None = None
+    #: the leading prompt tokens whose KV the salt does not change (the text before a prompt's first media
+    #: item): the context cache keys the blocks that lie wholly within them by their tokens alone
+    num_unsalted_tokens: int = 0
     #: the runtime serves this request whole, itself (``handle_request``), not step by step; only where
     #: requests run one at a time (the blocking path)
     is_served_whole: bool = False

@@ -474,11 +474,11 @@ class Scheduler:
                 return False
         text = r.detok.release(final=False)
         token_ids, logprobs = r.detok.release_tokens(final=False)
-        r.handle.push(RequestOutput(
+        self._push(r, RequestOutput(
             request_id=r.handle.request_id, text=text, token_ids=token_ids,
             num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=len(r.output_token_ids),
             logprobs=logprobs, index=r.index,
-        ), self._deliveries)
+        ))
         return True
 
     def _append_token(self, r: Request, out, now: float) -> tuple[str | None, tuple, tuple]:
@@ -569,7 +569,13 @@ class Scheduler:
         for out in outputs:
             if group is not None:  # one of n sequences: the request ends with the last of them
                 out = attrs.evolve(out, finished=out.finished and group.num_open == 0)
-            r.handle.push(out, self._deliveries)
+            self._push(r, out)
+
+    def _push(self, r: Request, out: RequestOutput) -> None:
+        """Send ``out`` to the request's handle; a ``best_of`` candidate's is held until the choice is made."""
+        held = r.group.best_of if r.group is not None else None
+        for sent in held.add(out) if held is not None else (out,):
+            r.handle.push(sent, self._deliveries)
 
     def fail_all(self, message: str) -> None:
         """Fail everything still queued or seated with ``message`` (the runtime is lost)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from ifb.options import text_only_message
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
 from ifb.server import reasoning as thinking
@@ -92,8 +94,12 @@ def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestS
         raise _refuse("echo", "echo with logprobs is not supported: this server does not score prompt tokens")
     if body.suffix:
         raise _refuse("suffix", "suffix (insertion) is not supported by this server")
-    if body.best_of is not None and body.best_of != body.n:
-        raise _refuse("best_of", "best_of is not supported by this server (leave it unset or equal to n)")
+    if body.best_of is not None:
+        if not body.n <= body.best_of <= 16:
+            raise ApiError(400, f"best_of ({body.best_of}) must be between n ({body.n}) and 16", param="best_of")
+        if body.stream and body.best_of > body.n:
+            raise ApiError(400, "best_of cannot be used with stream: the candidates are compared when all have "
+                                "finished", param="best_of")
     prompt, prompt_ids = _prompt(body.prompt)
     extras = dict(extras)
     guided = _response_format(body.response_format)
@@ -101,7 +107,8 @@ def completion_spec(body: CompletionRequest, extras: dict[str, Any]) -> RequestS
         extras["response_format"] = guided
     return RequestSpec(
         prompt=prompt, prompt_token_ids=prompt_ids,
-        params=_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
+        params=attrs.evolve(_sampling(body, max_tokens=body.max_tokens, logprobs=body.logprobs),
+                            best_of=body.best_of),
         stream=body.stream, extras=extras, speculative=body.speculative,
     )
 

@@ -2,7 +2,10 @@
 
 A block's key is the hash of (the previous block's key, its token ids, the
 request's KV salt), so a key names a whole prefix, and anything that changes
-the KV for the same tokens (a LoRA adapter, media) changes the salt. A block is
+the KV for the same tokens (a LoRA adapter, media) changes the salt; the blocks
+that lie wholly before a prompt's first media item are keyed without it
+(``Request.num_unsalted_tokens``: their KV does not depend on the media), so
+prompts that share a system prompt share its blocks whatever media follow. A block is
 published only when the step that computed it has finished (``commit``), so a
 request admitted into that same step can never lease half-written KV. Blocks
 whose count drops to zero stay cached and are evicted least recently used,
@@ -42,6 +45,12 @@ class _Tracked:
 
     salt: bytes
     keys: list[bytes] = attrs.field(factory=list)
+    #: the leading blocks keyed without the salt (they lie before the request's first media item)
+    num_unsalted_blocks: int = 0
+
+    def salt_of(self, block: int) -> bytes:
+        """The salt block ``block`` of the request's sequence is keyed with."""
+        return b"" if block < self.num_unsalted_blocks else self.salt
 
 
 class PrefixCache:
@@ -86,13 +95,13 @@ class PrefixCache:
         the blocks it published before it left are reused rather than recomputed.
         """
         size = self.blocks.block_size
-        tracked = _Tracked(kv_salt(request))
+        tracked = _Tracked(kv_salt(request), num_unsalted_blocks=request.num_unsalted_tokens // size)
         self._tracked[request.request_id] = tracked
         prompt = request.all_token_ids()
         leased: list[int] = []
         parent = b""
         for i in range((len(prompt) - 1) // size):
-            key = chain_hash(parent, tuple(prompt[i * size:(i + 1) * size]), tracked.salt)
+            key = chain_hash(parent, tuple(prompt[i * size:(i + 1) * size]), tracked.salt_of(i))
             block_id = self.table.get(key)
             if block_id is None:
                 break
@@ -117,7 +126,7 @@ class PrefixCache:
             tokens = request.all_token_ids()
             for i in range(len(tracked.keys), num_full):
                 parent = tracked.keys[-1] if tracked.keys else b""
-                key = chain_hash(parent, tuple(tokens[i * size:(i + 1) * size]), tracked.salt)
+                key = chain_hash(parent, tuple(tokens[i * size:(i + 1) * size]), tracked.salt_of(i))
                 tracked.keys.append(key)
                 block_id = request.block_ids[i]
                 if key not in self.table and block_id not in self.key_of:

@@ -26,7 +26,7 @@ from ifb.capabilities import (
 from ifb.options import BLOCKING
 from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.runtime.caps import (
-    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options,
 )
 from ifb_plugins.speech.options import ifb_request_options  # noqa: F401 - its hook
 
@@ -44,8 +44,9 @@ TTS_NOTE = ("no request engine exists for a TTS-only runtime: the Talker and cod
 
 def omni_options(config: DeployConfig | None = None) -> dict[str, OptionSupport]:
     """The Thinker's text options, with speech output rejected under in-flight batching."""
+    # n > 1, adapters on the Thinker's decoder and the capture are the text runtime's, proven on the bundle by
+    # tests/plugins/speech
     options = text_options(context_reuse=config is not None and config.enable_context_reuse)
-    blocking_path_only(options, TEXT_PLUGIN_ONLY, "speech")
     options["media_under_pruner"] = OptionSupport(
         Support.SERVED, reason="No visual-token pruner is built for Qwen3-Omni: its audio and vision encoders "
                                "run at admission and media requests join the running batch.")

@@ -28,11 +28,14 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared
 from ifb_plugins.common.media.parts import MediaItem, parse_messages
 from ifb_plugins.common.media.prompt import MediaSpan, expand_media
+from ifb_plugins.common.runtime.syscache import common_prefix_length, system_messages
 
 
-def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> str:
+def render(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None, *,
+           add_generation_prompt: bool = True) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - the template's own error is the message
         raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
@@ -51,6 +54,14 @@ def prepare_media(runtime: Any, spec: RequestSpec, prepare_text) -> Prepared:
     ids = runtime.tokenizer.encode(render(runtime.tokenizer, list(parsed.messages), spec.chat_template_kwargs),
                                   add_special_tokens=False)
     prepared = prepare_text(attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids)))
+    system = system_messages(parsed.messages)
+    pinned = 0
+    if spec.extras.get("save_system_prompt_kv_cache") and system:
+        # the capture keeps the system messages rendered alone, as far as they agree with the whole prompt
+        system_ids = runtime.tokenizer.encode(render(runtime.tokenizer, system, spec.chat_template_kwargs,
+                                                     add_generation_prompt=False), add_special_tokens=False)
+        pinned = common_prefix_length(system_ids, ids)
+    prepared = attrs.evolve(prepared, num_pinned_tokens=pinned)
     ids = list(prepared.prompt_token_ids)
     kinds = {runtime.audio_token_id: "audio", runtime.image_token_id: "image"}
     found = [(i, kinds[t]) for i, t in enumerate(ids) if t in kinds]

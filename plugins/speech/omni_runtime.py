@@ -34,7 +34,7 @@ from ifb.runtime import Prepared, ScheduledStep, Seat
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.models.deepstack import build_text_model
-from ifb_plugins.common.runtime.lora import lora_set
+from ifb_plugins.common.runtime.lora import lora_set, prefixed_names
 from ifb_plugins.common.media.prompt import media_step_positions, splice_embeddings
 from ifb_plugins.common.models.decoder import rope_table
 from ifb_plugins.common.layers.moe import fuse_expert_state
@@ -56,6 +56,10 @@ TALKER_SAMPLING = Sampling(True, top_k=50, top_p=1.0, temperature=0.9)
 PREDICTOR_SAMPLING = Sampling(True, top_k=50, top_p=0.8, temperature=1.0)
 REPETITION_PENALTY = 1.05
 MAX_FRAMES = 4096
+#: how a PEFT adapter names the Thinker's decoder: made on the bundle or on the Thinker, by transformers 5
+#: (``language_model``) or as the checkpoint nests it
+ADAPTER_PREFIXES = (("thinker.model.language_model.", "model."), ("model.language_model.", "model."),
+                    ("thinker.model.layers.", "model.layers."), ("model.layers.", "model.layers."))
 
 
 @attrs.frozen
@@ -143,9 +147,6 @@ class OmniRuntime(TextRuntime):
             if spec.extras.get("generate_audio"):
                 raise InvalidRequest("speech output for a prompt with audio or image input is not built (the "
                                      "Talker's positions for media prompts): ask for text output")
-            if spec.extras.get("save_system_prompt_kv_cache"):
-                raise InvalidRequest("the system-prompt capture matches token ids alone: a prompt with audio or "
-                                     "image input cannot be captured")
             return prepare_media(self, spec, super().prepare)
         if not spec.extras.get("generate_audio"):
             return super().prepare(spec)
@@ -250,5 +251,5 @@ def load_omni_runtime(config: DeployConfig, caps: DeploymentCaps) -> OmniRuntime
                        model=thinker,
                        tokenizer=tokenizer, caps=caps, config=config,
                        model_name=config.options.get("served_model_name") or path.name,
-                       lora=lora_set(thinker, config))
+                       lora=lora_set(thinker, config, prefixed_names(ADAPTER_PREFIXES)))
 

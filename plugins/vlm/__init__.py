@@ -19,7 +19,7 @@ from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
 from ifb_plugins.common.runtime.caps import (
-    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_PLUGIN_ONLY, TEXT_RUNTIME_SETTINGS, blocking_path_only, text_options,
+    MAX_BUILT_BATCH, TEXT_ENDPOINTS, TEXT_RUNTIME_SETTINGS, text_options,
 )
 from ifb_plugins.vlm.options import ifb_deploy_settings, ifb_request_options  # noqa: F401 - hooks
 
@@ -45,8 +45,8 @@ def pruner_ratio(config: DeployConfig) -> float | None:
 
 
 def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
+    # n > 1, adapters on the decoder and the capture are the text runtime's, proven with media by tests/plugins/vlm
     options = text_options(context_reuse=config.enable_context_reuse)
-    blocking_path_only(options, TEXT_PLUGIN_ONLY, "vlm")
     if pruner_ratio(config) is not None:
         options["media_under_pruner"] = OptionSupport(
             Support.FOUNDER_ONLY, reason=PRUNER_REASON, stall_counter="stalls_incompatible")
@@ -72,7 +72,8 @@ def declare(config: DeployConfig) -> DeploymentCaps:
 def load(config: DeployConfig):
     from pathlib import Path
 
-    from ifb_plugins.common.runtime.lora import lora_set
+    from ifb_plugins.common.runtime.lora import lora_set, prefixed_names
+    from ifb_plugins.vlm.checkpoint import TEXT_MODEL_PREFIXES, TEXT_PREFIXES
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
@@ -82,7 +83,10 @@ def load(config: DeployConfig):
     path = Path(config.model).expanduser()
     loaded = load_vlm(path)
     name = config.options.get("served_model_name") or path.name
-    lora = lora_set(loaded.text_model, config)
+    # an adapter made on the whole multimodal model names the decoder's modules as the checkpoint nests them
+    # (one made on the decoder alone, as the decoder does)
+    lora = lora_set(loaded.text_model, config,
+                    prefixed_names((*TEXT_PREFIXES, *TEXT_MODEL_PREFIXES, ("model.layers.", "model.layers."))))
     ratio = pruner_ratio(config)
     log.info("loaded %s (%s; media: %s; visual-token pruner: %s)", name, loaded.family,
              ", ".join(loaded.encoders), f"keeps {ratio:g}" if ratio is not None else "off")

@@ -20,6 +20,7 @@ from ifb.params import InvalidRequest, RequestSpec
 from ifb.runtime import Prepared, ScheduledStep, Seat
 from ifb.transcription import Transcript
 from ifb_plugins.common.runtime.lora import LoraSet
+from ifb_plugins.common.runtime.syscache import common_prefix_length, system_messages
 from ifb_plugins.common.runtime.text import TextRuntime
 from ifb_plugins.vlm.interface import EncodedMedia, LoadedVlm
 from ifb_plugins.common.media.parts import MediaItem, parse_messages
@@ -56,8 +57,11 @@ class VlmRuntime(TextRuntime):
             if spec.transcription is not None and self.loaded.transcription is not None:
                 text += self.loaded.transcription.prompt_suffix(spec.transcription)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+            pinned = self._system_prefix_length(parsed.messages, spec, ids)
             spec = attrs.evolve(spec, messages=None, prompt=None, prompt_token_ids=tuple(ids))
-        prepared = super().prepare(spec)
+            prepared = attrs.evolve(super().prepare(spec), num_pinned_tokens=pinned)
+        else:
+            prepared = super().prepare(spec)
         ids = list(prepared.prompt_token_ids)
         found = [(i, self.placeholder_kinds[t]) for i, t in enumerate(ids) if t in self.placeholder_kinds]
         if [kind for _, kind in found] != [m.kind for m in media]:
@@ -78,7 +82,17 @@ class VlmRuntime(TextRuntime):
         return MediaSpan(encoded.token_ids, torch.tensor(rows, dtype=torch.long), encoded.embeds,
                          encoded.position_ids)
 
-    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
+    def _system_prefix_length(self, messages, spec: RequestSpec, ids: list[int]) -> int:
+        """A capture's prompt tokens (``save_system_prompt_kv_cache``): the system messages rendered alone
+        with the checkpoint's template, as far as they agree with the whole prompt (0 without a capture)."""
+        system = system_messages(messages)
+        if not spec.extras.get("save_system_prompt_kv_cache") or not system:
+            return 0
+        rendered = self._render(system, spec.chat_template_kwargs, add_generation_prompt=False)
+        return common_prefix_length(self.tokenizer.encode(rendered, add_special_tokens=False), ids)
+
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None, *,
+                add_generation_prompt: bool = True) -> str:
         template = self.tokenizer.chat_template or ""
         if any(t in template for t in ("'type'", '"type"', ".type")):
             # A template written for content parts renders a string content as nothing at all (llava-1.5's
@@ -86,7 +100,8 @@ class VlmRuntime(TextRuntime):
             messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the template's own error is the message
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 

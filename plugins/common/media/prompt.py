@@ -39,8 +39,10 @@ def expand_media(prepared: Prepared, found: Sequence[tuple[int, str]], media: Se
     """``prepared`` with the placeholder at each ``found`` index (one per item of ``media``, in order)
     replaced by ``encode(item)``'s ids; the embeddings (as ``dtype`` on ``device``), salt and positions
     go in the prepared state (``TextRequestState.media``); the KV salt, a digest of the media bytes, keeps
-    the context cache from handing one item's KV to another. A prompt longer than ``max_model_len`` once
-    expanded is refused."""
+    the context cache from handing one item's KV to another from the first item on (the text before it is
+    keyed by its tokens, or by an adapter's salt where the prompt had one). A system-prompt capture
+    (``num_pinned_tokens``) keeps only what lies before the first item. A prompt longer than
+    ``max_model_len`` once expanded is refused."""
     ids = list(prepared.prompt_token_ids)
     expanded: list[int] = []
     spans: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -64,10 +66,12 @@ def expand_media(prepared: Prepared, found: Sequence[tuple[int, str]], media: Se
     if prepared.kv_salt:
         salt.update(prepared.kv_salt.encode())
     media_state = MediaState(tuple(spans), prompt_positions(len(expanded), positions) if positions else None)
-    # a captured system prompt is matched by token ids alone: one holding this request's media placeholders
-    # would hand its KV to a later request with other media, so a media prompt is never captured
-    state = attrs.evolve(prepared.state or TextRequestState(), media=media_state, is_capturing_system_prompt=False)
-    return attrs.evolve(prepared, prompt_token_ids=tuple(expanded), state=state, kv_salt=salt.hexdigest())
+    state = attrs.evolve(prepared.state or TextRequestState(), media=media_state)
+    # causal attention: the KV before the first item is the text's alone, whatever the media
+    first = found[0][0] if found else len(expanded)
+    return attrs.evolve(prepared, prompt_token_ids=tuple(expanded), state=state, kv_salt=salt.hexdigest(),
+                        num_unsalted_tokens=0 if prepared.kv_salt else first,
+                        num_pinned_tokens=min(prepared.num_pinned_tokens, first))
 
 
 def media_of(seat: Seat) -> MediaState | None:

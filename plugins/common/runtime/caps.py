@@ -31,19 +31,6 @@ CAPTURE_NEEDS_CONTEXT_CACHE = OptionSupport(
                 "blocking path.")
 
 
-def blocking_path_only(options: dict[str, OptionSupport], names: tuple[str, ...], plugin: str) -> None:
-    """Declare ``names`` rejected under in-flight batching (served on the blocking path), in place: what a
-    plugin on ``TextRuntime`` has not yet proven under in-flight batching with its own models."""
-    for name in names:
-        options[name] = OptionSupport(
-            Support.REJECTED, reason=f"Not yet verified under in-flight batching for the {plugin} plugin's models.",
-            alternative="Use the blocking path (serve without --enable-in-flight-batching).")
-
-
-#: the options the text plugin's tests prove under in-flight batching that other plugins on the runtime do not yet
-TEXT_PLUGIN_ONLY = ("lora", "n_sequences", "save_system_prompt_kv_cache")
-
-
 def text_options(*, context_reuse: bool = False) -> dict[str, OptionSupport]:
     """Per-request option support of ``TextRuntime`` under in-flight batching (``context_reuse``: the context
     cache is on, ``--enable-context-reuse``)."""
@@ -54,8 +41,9 @@ def text_options(*, context_reuse: bool = False) -> dict[str, OptionSupport]:
             Support.SERVED, reason="Each row applies its own adapter: rows are grouped by adapter, base rows "
                                    "untouched (--lora NAME=DIR, --max-loras, --max-lora-rank)."),
         "n_sequences": OptionSupport(
-            Support.SERVED, reason="One prefill; the n sequences share the prompt's KV blocks (copy on write of "
-                                   "the last) and each samples its own stream; n is at most the batch size."),
+            Support.SERVED, reason="One prefill; the n sequences (best_of candidates) share the prompt's KV blocks "
+                                   "(copy on write of the last) and each samples its own stream; n and best_of are "
+                                   "at most the batch size."),
         "save_system_prompt_kv_cache": OptionSupport(
             Support.SERVED, reason="The capture publishes the system prompt into the context cache and later "
                                    "requests lease it.")

@@ -20,7 +20,7 @@ import hashlib
 import json
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -45,12 +45,34 @@ def lora_enabled(config) -> bool:
     return bool(config.options.get("lora_adapters")) or bool(config.options.get("max_loras"))
 
 
-def lora_set(model: nn.Module, config) -> "LoraSet":
-    """The adapters a deploy configuration asks for (``lora_adapters``, ``max_loras``, ``max_lora_rank``)."""
+#: maps a module name as an adapter spells it to the decoder's (``model.layers.3.self_attn.q_proj``), or to
+#: None for a module outside the decoder (a multimodal model's tower)
+ModuleNames = Callable[[str], "str | None"]
+
+
+def _same(module: str) -> str:
+    return module
+
+
+def prefixed_names(prefixes: Sequence[tuple[str, str]]) -> ModuleNames:
+    """Module names of a model whose decoder is nested under ``prefixes`` ((prefix, what it becomes), the first
+    that matches wins): an adapter made on the whole multimodal model targets the decoder's modules by them."""
+    def rename(module: str) -> str | None:
+        for prefix, renamed in prefixes:
+            if module.startswith(prefix):
+                return renamed + module[len(prefix):]
+        return None
+
+    return rename
+
+
+def lora_set(model: nn.Module, config, module_names: ModuleNames = _same) -> "LoraSet":
+    """The adapters a deploy configuration asks for (``lora_adapters``, ``max_loras``, ``max_lora_rank``);
+    ``module_names``: how the adapters name the decoder's modules."""
     adapters = dict(config.options.get("lora_adapters") or {})
     max_loras = config.options.get("max_loras") or (max(DEFAULT_MAX_LORAS, len(adapters)) if adapters else 0)
     return LoraSet(model, adapters, max_loras=max_loras,
-                   max_rank=config.options.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK)
+                   max_rank=config.options.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK, module_names=module_names)
 
 
 class AdapterError(ValueError):
@@ -89,11 +111,12 @@ def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def load_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int = DEFAULT_MAX_LORA_RANK) -> LoraAdapter:
+def load_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int = DEFAULT_MAX_LORA_RANK,
+                 module_names: ModuleNames = _same) -> LoraAdapter:
     """Read ``adapter_config.json`` + ``adapter_model.safetensors`` and check them against ``model``.
 
     Raises AdapterError naming the module for a rank over ``max_rank``, a module the model lacks
-    (or that takes no adapter here) and weights of the wrong shape.
+    (or that takes no adapter here, or that lies outside its decoder) and weights of the wrong shape.
     """
     path = Path(path)
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -111,11 +134,15 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int
     for key, value in load_file(str(weights_file)).items():
         # PEFT keys look like base_model.model.<module>.lora_A.weight
         stem, _, kind = key.removesuffix(".weight").rpartition(".")
-        module = stem.removeprefix("base_model.model.")
+        spelled = stem.removeprefix("base_model.model.")
         if kind not in ("lora_A", "lora_B"):
             if "lora_" in kind or key.endswith("lora_magnitude_vector"):
                 raise AdapterError(f"LoRA adapter {name!r}: {key} is not supported (only lora_A / lora_B pairs)")
             continue
+        module = module_names(spelled)
+        if module is None:
+            raise AdapterError(f"LoRA adapter {name!r} targets {spelled}, outside the language model (only the "
+                               "decoder's projections take an adapter)")
         if module not in shapes:
             lacks = "does not have" if module not in dict(model.named_modules()) else "takes no adapter at"
             raise AdapterError(f"LoRA adapter {name!r} targets {module}, which this model {lacks}")
@@ -180,9 +207,10 @@ class LoraSet:
     """
 
     def __init__(self, model: nn.Module, paths: dict[str, str], *, max_loras: int = 0,
-                 max_rank: int = DEFAULT_MAX_LORA_RANK):
+                 max_rank: int = DEFAULT_MAX_LORA_RANK, module_names: ModuleNames = _same):
         self.model = model
         self.max_rank = max_rank
+        self.module_names = module_names
         #: adapters loaded at once (0: the deployment serves none)
         self.max_loras = max_loras
         self._lock = threading.Lock()
@@ -205,7 +233,7 @@ class LoraSet:
     # ---- the registry (any thread) ----
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         """Load and register an adapter (AdapterError: bad adapter; KeyError-free, names are unique)."""
-        adapter = load_adapter(name, path, self.model, max_rank=self.max_rank)
+        adapter = load_adapter(name, path, self.model, max_rank=self.max_rank, module_names=self.module_names)
         with self._lock:
             if name in self.adapters:
                 raise AdapterError(f"a LoRA adapter named {name!r} is already loaded; unload it first")

@@ -21,13 +21,22 @@ from ifb.request import Request
 def system_prefix_length(tokenizer, spec: RequestSpec, prompt_ids: list[int]) -> int:
     """How many leading prompt tokens are the request's system message(s) (a plain prompt: all but the last)."""
     if spec.messages:
-        system = [m for m in spec.messages if m.get("role") == "system"]
+        system = system_messages(spec.messages)
         rendered = tokenizer.apply_chat_template(system, add_generation_prompt=False) if system else ""
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
-    else:
-        ids = list(prompt_ids[:-1])  # a plain prompt: everything but the token that is sampled from
+        return common_prefix_length(tokenizer.encode(rendered, add_special_tokens=False), prompt_ids)
+    return common_prefix_length(prompt_ids[:-1], prompt_ids)  # a plain prompt: all but the token sampled from
+
+
+def system_messages(messages) -> list[dict]:
+    """The system messages of OpenAI-style ``messages``, in order (what a capture keeps)."""
+    return [m for m in messages if m.get("role") == "system"]
+
+
+def common_prefix_length(system_ids, prompt_ids) -> int:
+    """How many leading ``prompt_ids`` the system messages rendered alone (``system_ids``) share with them,
+    leaving at least the prompt's last token to compute."""
     n = 0
-    while n < len(ids) and n < len(prompt_ids) - 1 and ids[n] == prompt_ids[n]:
+    while n < len(system_ids) and n < len(prompt_ids) - 1 and system_ids[n] == prompt_ids[n]:
         n += 1
     return n
 
@@ -39,14 +48,15 @@ class SystemPromptCache:
         self.captured: dict[tuple[int, ...], list[int]] = {}  # prefix ids -> pinned blocks
         self.num_hit_tokens = 0
 
-    def system_prefix(self, spec: RequestSpec, prompt_ids: list[int]) -> list[int]:
-        """The block-aligned token prefix covered by the request's system message(s)."""
-        n = system_prefix_length(self.runtime.tokenizer, spec, prompt_ids)
+    def system_prefix(self, request: Request) -> list[int]:
+        """The block-aligned token prefix covered by the request's system message(s) (``num_pinned_tokens``,
+        which its runtime's ``prepare`` counted: never past the prompt's first media item)."""
+        n = request.num_pinned_tokens
         n -= n % self.blocks.block_size
-        return list(prompt_ids[:n])
+        return list(request.prompt_token_ids[:n])
 
-    def capture(self, spec: RequestSpec, prompt_ids: list[int]) -> None:
-        prefix = tuple(self.system_prefix(spec, prompt_ids))
+    def capture(self, request: Request) -> None:
+        prefix = tuple(self.system_prefix(request))
         if not prefix or prefix in self.captured:
             return
         block_ids = self.blocks.allocate(self.blocks.blocks_for(len(prefix)))
@@ -57,7 +67,7 @@ class SystemPromptCache:
     def match(self, request: Request) -> tuple[list[int], int]:
         state = request.state
         if state is not None and state.is_capturing_system_prompt:
-            self.capture(request.spec, request.prompt_token_ids)
+            self.capture(request)
         prompt = request.prompt_token_ids
         best: tuple[int, ...] = ()
         for prefix in self.captured:

@@ -159,6 +159,17 @@ def test_n_sequences_on_the_default_path():
     assert result.usage.completion_tokens == 6 and result.usage.prompt_tokens == 2
 
 
+def test_best_of_returns_n_choices_and_refuses_a_stream():
+    with served(in_flight=False) as (url, _):
+        client = oai(url)
+        result = client.completions.create(model="fake", prompt="hi", max_tokens=3, n=2, best_of=3, seed=1,
+                                           temperature=1)
+        assert [c.index for c in result.choices] == [0, 1] and all(c.logprobs is None for c in result.choices)
+        with pytest.raises(openai.BadRequestError, match="best_of cannot be used with stream") as info:
+            client.completions.create(model="fake", prompt="hi", best_of=2, stream=True)
+        assert info.value.body["param"] == "best_of"
+
+
 def test_n_sequences_rejected_under_the_flag_naming_the_blocking_path(server):
     url, deployment = server
     with pytest.raises(openai.BadRequestError) as info:

@@ -97,7 +97,8 @@ def test_completion_sampling_mapping_and_defaults():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_fields(fields, param):

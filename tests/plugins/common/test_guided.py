@@ -383,3 +383,26 @@ def test_forced_tool_calls_always_parse(llm, fmt, choice):
         else:
             assert choice == "required" and calls[0].name == "get_time" and args == {"zone": args["zone"]}
             assert args["zone"] in ("UTC", "CET")
+
+
+def test_masks_applied_at_once_to_scattered_rows_equal_each_row_masked_alone(checkpoint):
+    tokenizer = TextTokenizer.from_hf_dir(checkpoint)
+    decoder = GuidedDecoder(tokenizer, 320)
+    grammar = decoder.compile({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    prefixes = ['{"name": "Al', "", '{"name": "Bo", "age": 4']
+    seats = [Seat(f"s{i}", i, SamplingParams(), 2, [5, 6, *tokenizer.encode(p, add_special_tokens=False)],
+                  state=TextRequestState(grammar=grammar)) for i, p in enumerate(prefixes)]
+    alone = []
+    for seat in seats:
+        one = torch.randn(1, 320, generator=torch.Generator().manual_seed(1))
+        decoder.mask_logits(one, [(0, seat)])
+        alone.append(one[0])
+    for dtype in (torch.float32, torch.float64):  # numpy's path and torch's
+        logits = torch.randn(1, 320, generator=torch.Generator().manual_seed(1)).expand(6, 320).to(dtype).clone()
+        plain = logits.clone()
+        rows = [(4, seats[0]), (1, seats[1]), (2, seats[2])]  # guided rows among plain ones, out of order
+        decoder.mask_logits(logits, rows)
+        for row, seat in rows:
+            assert torch.equal(logits[row].float(), alone[seats.index(seat)])
+        for row in (0, 3, 5):
+            assert torch.equal(logits[row], plain[row])  # plain rows untouched

@@ -104,6 +104,21 @@ def test_different_salt_never_shares_a_block():
     assert step.seqs[0].start_pos == 0
 
 
+def test_blocks_before_the_first_media_item_are_shared_whatever_the_salt():
+    rt = FakeRuntime(kv_block_size=4)
+    s, cache, _ = cached_scheduler(rt)
+    prompt = tuple(range(1, 14))
+    a = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
+    a.kv_salt, a.num_unsalted_tokens = "image-1", 9  # its media start at token 9: blocks 0 and 1 lie before
+    s.add(a)
+    drain(s, rt, [])
+    b = new_request(rt, RequestSpec(prompt_token_ids=prompt, params=GREEDY))
+    b.kv_salt, b.num_unsalted_tokens = "image-2", 9
+    s.add(b)
+    step = s.schedule()
+    assert step.seqs[0].start_pos == 8  # the two unsalted blocks leased, the salted third recomputed
+
+
 def test_after_a_thousand_random_requests_every_block_is_free_again():
     rng = random.Random(0)
     rt = FakeRuntime(kv_block_size=4, num_kv_blocks=48)

@@ -135,3 +135,56 @@ def test_n_past_the_batch_size_is_refused(checkpoint):
         with pytest.raises(InvalidRequest, match=r"n \(3\) is more than the batch size \(2\)") as info:
             llm.engine.submit(RequestSpec(prompt_token_ids=PROMPT, params=SamplingParams(n=3)))
         assert info.value.param == "n"
+
+
+def scored_singles(llm, params, k):
+    """Candidate i of a best_of request is the single request seeded seed + i: its tokens and cumulative logprob."""
+    outs = [llm.engine.submit(RequestSpec(prompt_token_ids=PROMPT, params=SamplingParams(
+        **{**_fields(params), "seed": params.seed + i, "n": 1, "best_of": None, "logprobs": 0})), wait=True).result()
+        for i in range(k)]
+    return [(o.token_ids, sum(lp.logprob for lp in o.logprobs)) for o in outs]
+
+
+def top(scored, n):
+    return [scored[i][0] for i in sorted(range(len(scored)), key=lambda i: (-scored[i][1], i))[:n]]
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_best_of_returns_the_n_most_likely_of_its_seeded_candidates(checkpoint, in_flight):
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=8, n=2, best_of=5)
+    with LLM(str(checkpoint), enable_in_flight_batching=in_flight, max_batch_size=6,
+             max_num_batched_tokens=16) as llm:
+        scored = scored_singles(llm, params, 5)
+        assert len({s for _, s in scored}) == 5  # five different candidates: the choice is a real one
+        expected = top(scored, 2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        mate = RequestSpec(prompt_token_ids=tuple(range(50, 70)), params=greedy)
+        mate_alone = llm.engine.submit(mate, wait=True).result().token_ids
+        before = llm.engine.counters.snapshot()
+        handles = staggered(llm, (mate, RequestSpec(prompt_token_ids=PROMPT, params=params)))
+        outs = list(handles[1])
+        # held until every candidate is done: the two choices, best first, each in one output
+        assert [o.index for o in outs] == [0, 1] and [o.finished for o in outs] == [False, True]
+        assert [o.token_ids for o in outs] == expected
+        assert all(o.logprobs == () for o in outs)  # not asked for: the candidates' own are not sent
+        assert handles[0].result().token_ids == mate_alone
+        after = llm.engine.counters.snapshot()
+        assert after["completed"] - before["completed"] == 2  # the best_of request counts as one
+        if in_flight:
+            assert after["admitted_mid_flight"] > before["admitted_mid_flight"]
+        llm.engine.blocks.check_no_leaks()
+
+
+def test_best_of_with_logprobs_keeps_them_and_is_bounded_by_the_batch(checkpoint):
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=6, n=1, best_of=3, logprobs=2)
+    with LLM(str(checkpoint), enable_in_flight_batching=True, max_batch_size=3) as llm:
+        scored = scored_singles(llm, params, 3)
+        (out,) = list(llm.engine.submit(RequestSpec(prompt_token_ids=PROMPT, params=params), wait=True))
+        assert out.token_ids == top(scored, 1)[0]
+        assert len(out.logprobs) == 6 and all(len(lp.top_logprobs) == 2 for lp in out.logprobs)
+        assert sum(lp.logprob for lp in out.logprobs) == pytest.approx(max(s for _, s in scored))
+        with pytest.raises(InvalidRequest, match=r"best_of \(4\) is more than the batch size \(3\)") as info:
+            llm.engine.submit(RequestSpec(prompt_token_ids=PROMPT, params=SamplingParams(best_of=4)))
+        assert info.value.param == "best_of"
+        with pytest.raises(InvalidRequest, match=r"best_of \(1\) must be between n \(2\) and 16"):
+            llm.engine.submit(RequestSpec(prompt_token_ids=PROMPT, params=SamplingParams(n=2, best_of=1)))

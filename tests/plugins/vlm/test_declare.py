@@ -28,7 +28,9 @@ def test_pruner_makes_media_founder_only():
     assert option.support is Support.FOUNDER_ONLY and option.stall_counter == "stalls_incompatible"
     for caps in (plain, pruned):
         assert caps.options["differing_sampling"].support is Support.SERVED
-        assert caps.options["lora"].support is Support.REJECTED
+        for served in ("lora", "n_sequences"):  # tests/plugins/vlm/test_options.py
+            assert caps.options[served].support is Support.SERVED
+        assert caps.options["save_system_prompt_kv_cache"].support is Support.REJECTED  # no context cache
         assert caps.options["generate_audio"].support is Support.NOT_APPLICABLE
         assert set(caps.endpoints) == {"completions", "chat.completions", "audio.transcriptions"} and caps.batch_invariant_verified
 
