@@ -1,0 +1,61 @@
+"""pi0 under in-flight batching: prefixes prefilled together, Euler steps batched, requests joining
+mid-flight; every plan the same as the request's alone and within 1e-4 of transformers' ``sample_actions``."""
+
+from __future__ import annotations
+
+import torch
+
+from ifb import LLM
+from ifb.params import RequestSpec, Trajectory
+
+from tests.helpers import submit_staggered
+from tests.plugins.action.conftest import Pi0Fixture
+
+#: batched against alone, float32: the padded forwards may round differently from a batch of one
+ALONE_BOUND = 1e-5
+
+
+def _specs(pi0: Pi0Fixture) -> list[RequestSpec]:
+    return [RequestSpec(messages=({"role": "user", "content": case.content()[:-1]},),
+                        past_trajectory=Trajectory.of([list(case.state)], case.noise_seed)) for case in pi0.cases]
+
+
+def _plan(result) -> torch.Tensor:
+    assert result.finish_reason == "stop" and result.output_trajectory is not None
+    return torch.tensor(result.output_trajectory)
+
+
+def _check(plans: list[torch.Tensor], alone: list[torch.Tensor], pi0: Pi0Fixture) -> None:
+    for plan, single, ref in zip(plans, alone, pi0.reference, strict=True):
+        assert (plan - single).abs().max() <= ALONE_BOUND
+        assert (plan - ref["actions"]).abs().max() <= 1e-4
+
+
+def test_staggered_requests_plan_what_each_plans_alone(pi0: Pi0Fixture):
+    specs = _specs(pi0)
+    with LLM(str(pi0.path), plugin="action") as llm:
+        alone = [_plan(llm.engine.submit(spec).result()) for spec in specs]
+    # small prefill chunks: a prefix arrives over several steps while the others denoise
+    with LLM(str(pi0.path), plugin="action", enable_in_flight_batching=True, max_batch_size=4,
+             max_num_batched_tokens=16) as llm:
+        results = submit_staggered(llm.engine, specs, gap_steps=3, min_joined=len(specs) - 1)
+        planner = llm.deployment.runtime.planner
+        assert max(planner.denoise_batch_sizes) >= 3  # Euler steps of several requests in one forward
+        assert not planner.plans and not planner.residents  # nothing left behind
+    _check([_plan(r) for r in results], alone, pi0)
+
+
+def test_requests_arriving_together_prefill_in_one_forward(pi0: Pi0Fixture):
+    specs = _specs(pi0)
+    with LLM(str(pi0.path), plugin="action") as llm:
+        alone = [_plan(llm.engine.submit(spec).result()) for spec in specs]
+    with LLM(str(pi0.path), plugin="action", enable_in_flight_batching=True, max_batch_size=4,
+             max_num_batched_tokens=1024) as llm:
+        engine = llm.engine
+        with engine._cv:  # all four queued before the actor's next step
+            handles = [engine.submit(spec) for spec in specs]
+        results = [h.result() for h in handles]
+        planner = llm.deployment.runtime.planner
+        assert planner.prefill_batch_sizes[0] == len(specs)
+        assert planner.denoise_batch_sizes == [len(specs)] * 10
+    _check([_plan(r) for r in results], alone, pi0)
