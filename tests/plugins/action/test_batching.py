@@ -59,3 +59,38 @@ def test_requests_arriving_together_prefill_in_one_forward(pi0: Pi0Fixture):
         assert planner.prefill_batch_sizes[0] == len(specs)
         assert planner.denoise_batch_sizes == [len(specs)] * 10
     _check([_plan(r) for r in results], alone, pi0)
+
+
+def test_a_preempted_request_starts_over_in_other_blocks_and_plans_the_same(pi0: Pi0Fixture):
+    from ifb.capabilities import DeployConfig
+    from ifb.params import SamplingParams
+    from ifb_plugins.action import load
+
+    from tests.helpers import Seq, StepBuilder
+
+    runtime = load(DeployConfig(model=str(pi0.path), plugin="action"))
+    spec = _specs(pi0)[1]
+    prepared = runtime.prepare(spec)
+    ids = prepared.prompt_token_ids
+    num_blocks = -(-len(ids) // runtime.kv_block_size)
+    params, builder, end = SamplingParams(), StepBuilder(), runtime.tokenizer.eos_token_ids[0]
+
+    def run(blocks: tuple[int, ...], num_steps: int, first_id: int, reset: bool) -> list:
+        outs = []
+        for i in range(num_steps):
+            tokens, start = (ids, 0) if i == 0 else (ids[-1:], len(ids) - 1)
+            step = builder.step(first_id + i, [Seq("r", 0, tokens, start, blocks, True, params, len(ids), ids,
+                                                   prepared.state)], reset_seats=(0,) if reset and i == 0 else ())
+            outs.append(runtime.execute(step).seqs[0].token_id)
+        return outs
+
+    # scattered blocks, three Euler steps, then preempted; seated again in other blocks, it runs to the end
+    assert run(tuple(range(200, 200 - 3 * num_blocks, -3)), 3, 0, reset=False) == [None] * 3
+    runtime.release("r", 0)
+    outs = run(tuple(range(50, 50 + 2 * num_blocks, 2)), 10, 3, reset=True)
+    assert outs == [None] * 9 + [end]
+    plan = runtime.planner.take_plan("r")
+    assert (plan - pi0.reference[1]["actions"]).abs().max() <= 1e-4
+    with LLM(str(pi0.path), plugin="action") as llm:
+        alone = _plan(llm.engine.submit(spec).result())
+    assert torch.equal(plan, alone)  # one request alone, whatever its blocks: bit for bit
