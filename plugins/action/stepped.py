@@ -2,7 +2,8 @@
 
 A request's prompt is its prefix (camera placeholders, ``<bos>``, task, newline). The backbone's
 attention over it is bidirectional, so the prefix is computed whole, in the step that schedules its
-last chunk; the prefixes that complete in one step run as one padded forward. Their K/V go into the
+last chunk; the prefixes that complete in one step run as one padded forward (their camera images
+through the vision tower as one batch). Their K/V go into the
 request's blocks of a paged cache (the engine's block table, ``kv_block_size`` tokens a block).
 
 From then on the request is a denoising resident: each engine step is one Euler step of the action
@@ -105,7 +106,7 @@ class SteppedPlanner:
         if not batch:
             return
         model = self.model
-        embeds = [model.embed_prefix(seat.state.input_ids, seat.state.pixel_values) for seat, _ in batch]
+        embeds = model.embed_prefixes([(seat.state.input_ids, seat.state.pixel_values) for seat, _ in batch])
         kvs, lens = model.prefix_kv(embeds)
         self.prefill_batch_sizes = [*self.prefill_batch_sizes[-255:], len(batch)]
         for b, (seat, resident) in enumerate(batch):
