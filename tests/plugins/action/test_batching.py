@@ -3,6 +3,7 @@ mid-flight; every plan the same as the request's alone and within 1e-4 of transf
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from ifb import LLM
@@ -45,20 +46,33 @@ def test_staggered_requests_plan_what_each_plans_alone(pi0: Pi0Fixture):
     _check([_plan(r) for r in results], alone, pi0)
 
 
-def test_requests_arriving_together_prefill_in_one_forward(pi0: Pi0Fixture):
+def test_requests_seated_together_prefill_in_one_forward(pi0: Pi0Fixture):
+    from ifb.capabilities import DeployConfig
+    from ifb.params import SamplingParams
+    from ifb_plugins.action import load
+
+    from tests.helpers import Seq, StepBuilder
+
     specs = _specs(pi0)
     with LLM(str(pi0.path), plugin="action") as llm:
         alone = [_plan(llm.engine.submit(spec).result()) for spec in specs]
-    with LLM(str(pi0.path), plugin="action", enable_in_flight_batching=True, max_batch_size=4,
-             max_num_batched_tokens=1024) as llm:
-        engine = llm.engine
-        with engine._cv:  # all four queued before the actor's next step
-            handles = [engine.submit(spec) for spec in specs]
-        results = [h.result() for h in handles]
-        planner = llm.deployment.runtime.planner
-        assert planner.prefill_batch_sizes[0] == len(specs)
-        assert planner.denoise_batch_sizes == [len(specs)] * 10
-    _check([_plan(r) for r in results], alone, pi0)
+    runtime = load(DeployConfig(model=str(pi0.path), plugin="action", enable_in_flight_batching=True,
+                                max_batch_size=4))
+    builder, params, seqs, first_block = StepBuilder(), SamplingParams(), [], 0
+    for seat, spec in enumerate(specs):  # four whole prompts in one step, each in blocks of its own
+        prepared = runtime.prepare(spec)
+        ids = prepared.prompt_token_ids
+        blocks = tuple(range(first_block, first_block + -(-len(ids) // runtime.kv_block_size)))
+        first_block += len(blocks)
+        seqs.append(Seq(f"r{seat}", seat, ids, 0, blocks, True, params, len(ids), ids, prepared.state))
+    end = runtime.tokenizer.eos_token_ids[0]
+    for step_id in range(10):
+        outs = runtime.execute(builder.step(step_id, seqs)).seqs
+        assert [o.token_id for o in outs] == [end if step_id == 9 else None] * 4
+        seqs = [attrs.evolve(s, token_ids=s.all_token_ids[-1:], start_pos=len(s.all_token_ids) - 1) for s in seqs]
+    planner = runtime.planner
+    assert planner.prefill_batch_sizes == [4] and planner.denoise_batch_sizes == [4] * 10
+    _check([planner.take_plan(f"r{i}") for i in range(4)], alone, pi0)
 
 
 def test_a_preempted_request_starts_over_in_other_blocks_and_plans_the_same(pi0: Pi0Fixture):
