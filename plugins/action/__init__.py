@@ -3,8 +3,10 @@ state) and return a planned one. pi0, as transformers defines and saves it, is t
 
 A request is one user message (camera images and the task) plus a ``trajectory`` content part; the
 backbone runs the prefix, the action expert denoises ``chunk_size`` actions over the flow-matching
-steps, and the answer's ``output_trajectory`` holds them. Served on the blocking path; under
-``--enable-in-flight-batching`` trajectory execution is rejected with the spec's reason.
+steps, and the answer's ``output_trajectory`` holds them. Served step by step on both paths; under
+``--enable-in-flight-batching`` the prefixes completed in a step prefill as one batch and every seated
+request's Euler step runs in one forward (tests/plugins/action/test_batching.py: each plan the same as
+the request's alone, within 1e-5, with requests joining mid-flight).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from ifb import hookimpl
 from ifb.capabilities import (
     DeployConfig, DeploymentCaps, DeploymentKind, EndpointSupport, MatrixVariant, OptionSupport, Support,
 )
-from ifb.options import BLOCKING, TRAJECTORY_BLOCKING_ONLY
+from ifb_plugins.common.runtime.caps import MAX_BUILT_BATCH
 
 log = logging.getLogger("ifb.action")
 
@@ -27,7 +29,13 @@ def action_options() -> dict[str, OptionSupport]:
         "plain_text": OptionSupport(
             Support.SERVED, reason="pi0 generates no text: its answer is the plan (streamed as one last chunk); every "
                                    "request carries a trajectory (the pastTrajectory row)."),
-        "past_trajectory": OptionSupport(Support.REJECTED, reason=TRAJECTORY_BLOCKING_ONLY, alternative=BLOCKING),
+        "past_trajectory": OptionSupport(
+            Support.SERVED, reason="The prefixes completed in a step prefill as one batch (each its own paged KV); "
+                                   "the seated requests' Euler steps run as one forward, each its own prefix KV, "
+                                   "state and noise; a request joins at a step boundary."),
+        "differing_sampling": OptionSupport(
+            Support.SERVED, reason="pi0 samples no tokens: each request's plan follows from its own noise "
+                                   "(noise_seed)."),
         "media_under_pruner": OptionSupport(
             Support.SERVED, reason="No visual-token pruner: the camera images are part of every request's prefix."),
         "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason=NOT_TEXT),
@@ -39,10 +47,11 @@ def action_options() -> dict[str, OptionSupport]:
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
+    # batch invariance: tests/plugins/action/test_batching.py (staggered joins, plans equal to alone)
     return DeploymentCaps(
         tensor_parallel_note="the action expert and its denoising loop run on one rank; they are not sharded",
-        stepped_execution=True, seated_admission=True, max_batch_size=max(1, config.max_batch_size),
-        num_ranks=config.num_ranks, batch_invariant_verified=False, options=action_options(),
+        stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
+        num_ranks=config.num_ranks, batch_invariant_verified=True, options=action_options(),
         endpoints={"chat.completions": EndpointSupport.SERVED, "completions": EndpointSupport.ABSENT},
         supports_prefix_reuse=False, prefix_reuse_note="pi0's prefix is bidirectional and computed whole per request.",
     )
@@ -71,8 +80,8 @@ def load(config: DeployConfig):
 VARIANTS = (
     MatrixVariant("Vision-language-action (pi0 trajectory planning)",
                   DeployConfig(plugin="action", enable_in_flight_batching=True),
-                  note="Starts under the flag, but every pi0 request carries a trajectory, which is rejected there "
-                       "(the pastTrajectory row): plans are served on the blocking path."),
+                  note="Prefixes prefilled and Euler steps run batched, requests joining at step boundaries; "
+                       "each plan within 1e-5 of the request's alone (float32), the pastTrajectory row."),
 )
 
 

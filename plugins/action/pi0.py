@@ -55,14 +55,24 @@ class Pi0(nn.Module):
 
     def embed_prefix(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None) -> torch.Tensor:
         """``input_ids [L]`` with image placeholders -> ``[L, H]``, the images' features spliced in, in order."""
-        is_image = input_ids == self.cfg.image_token_id
-        embeds = self.language_model.embed(input_ids.masked_fill(is_image, 0))
-        if pixel_values is not None and len(pixel_values):
-            features = self.image_features(pixel_values).flatten(0, 1).to(embeds.dtype)
-            if int(is_image.sum()) != features.shape[0]:
-                raise ValueError(f"{int(is_image.sum())} image placeholders for {features.shape[0]} image features")
-            embeds = embeds.masked_scatter(is_image[:, None], features)
-        return embeds
+        return self.embed_prefixes([(input_ids, pixel_values)])[0]
+
+    def embed_prefixes(self, prefixes: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """``embed_prefix`` of several requests, every camera image through the vision tower in one batch."""
+        images = [pixels for _, pixels in prefixes if pixels is not None and len(pixels)]
+        features = self.image_features(torch.cat(images)) if images else None
+        out, first = [], 0
+        for input_ids, pixels in prefixes:
+            is_image = input_ids == self.cfg.image_token_id
+            embeds = self.language_model.embed(input_ids.masked_fill(is_image, 0))
+            num_images = 0 if pixels is None else len(pixels)
+            own = features[first:first + num_images].flatten(0, 1).to(embeds.dtype) if num_images else \
+                embeds.new_zeros((0, embeds.shape[1]))
+            first += num_images
+            if int(is_image.sum()) != own.shape[0]:
+                raise ValueError(f"{int(is_image.sum())} image placeholders for {own.shape[0]} image features")
+            out.append(embeds.masked_scatter(is_image[:, None], own) if num_images else embeds)
+        return out
 
     def prefix_kv(self, embeds: list[torch.Tensor]) -> tuple[list[KV], torch.Tensor]:
         """Run the backbone over each request's prefix ``[L_b, H]`` (bidirectional, positions 0..L_b-1).

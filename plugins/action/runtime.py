@@ -3,15 +3,16 @@
 ``prepare`` (any thread) reads the request as ``PI0Processor`` would: one user message whose image
 parts are the cameras (in order) and whose text parts are the task, and the request's trajectory
 (one point: pi0 plans from the current state). It refuses what pi0 cannot take with the field named.
-``handle_request`` (the blocking path) runs the prefix, then the sampler, and answers with one output
-whose ``output_trajectory`` is ``chunk_size`` actions of ``max_action_dim`` values each.
+``execute`` (``SteppedPlanner``) serves both paths step by step: on the blocking path one request is
+seated, under in-flight batching up to ``max_batch_size``. The final output's ``output_trajectory`` is
+``chunk_size`` actions of ``max_action_dim`` values each.
 """
 
 from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Iterator
+from typing import Sequence
 
 import attrs
 import torch
@@ -20,9 +21,10 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb.outputs import RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, Trajectory
 from ifb.request import Request
-from ifb.runtime import Prepared
+from ifb.runtime import Prepared, ScheduledStep, StepOutput
 from ifb_plugins.action.pi0 import Pi0
 from ifb_plugins.action.processor import Pi0Processing
+from ifb_plugins.action.stepped import SteppedPlanner
 from ifb_plugins.common.media.parts import MAX_MEDIA_ITEMS, parse_messages
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -48,7 +50,8 @@ def initial_noise(seed: int | None, chunk_size: int, action_dim: int) -> torch.T
 
 
 class ActionRuntime:
-    """pi0 on the blocking path (``handle_request``, one request at a time)."""
+    """pi0 under the engine: each step prefills the prefixes it completes and runs one Euler step of every
+    seated request, all batched (``SteppedPlanner``)."""
 
     kv_block_size = 16
 
@@ -60,8 +63,10 @@ class ActionRuntime:
         self.caps = caps
         self.model_name = model_name
         self.max_model_len = max_model_len
-        # the prefix is computed whole, in memory of its own: these only bound the prompt for the engine
-        self.num_kv_blocks = max_model_len // self.kv_block_size + 1
+        # room for every seat's longest prefix: a request is never preempted for blocks (it could be: its
+        # plan would start over from its noise, the same plan)
+        num_seats = max(1, config.max_batch_size) if config.enable_in_flight_batching else 1
+        self.num_kv_blocks = -(-max_model_len // self.kv_block_size) * num_seats
         allowed = config.options.get("allowed_local_media_path")
         self.allowed_media_dir = Path(allowed) if allowed else None
         cfg = model.cfg
@@ -69,6 +74,10 @@ class ActionRuntime:
         if tokenizer.bos_token_id is None:
             raise ValueError("the tokenizer names no bos_token, which pi0's prompt needs")
         self.bos_token = self._token(tokenizer.bos_token_id, "the bos token")
+        if not tokenizer.eos_token_ids:
+            raise ValueError("the tokenizer names no eos_token, which ends a planned request")
+        self.planner = SteppedPlanner(model, num_blocks=self.num_kv_blocks, block_size=self.kv_block_size,
+                                      end_token_id=tokenizer.eos_token_ids[0])
 
     def _token(self, token_id: int, what: str) -> str:
         token = self.tokenizer.tokenizer.id_to_token(token_id)
@@ -101,6 +110,9 @@ class ActionRuntime:
 
     def prepare(self, spec: RequestSpec) -> Prepared:
         trajectory = self.check_trajectory(spec.past_trajectory)
+        if spec.params.ignore_eos:
+            raise InvalidRequest("ignore_eos does not apply to pi0: a request ends when its plan is done",
+                                 param="ignore_eos")
         if spec.messages is None:
             raise InvalidRequest("pi0 takes a chat request: one user message with the camera images and the task",
                                  param="messages")
@@ -130,38 +142,20 @@ class ActionRuntime:
             state=self.processing.state(trajectory.points[-1]).to(dtype),
             noise=initial_noise(trajectory.noise_seed, cfg.chunk_size, cfg.max_action_dim),
         )
-        # planned whole, by handle_request: its prepared state is the model's input
-        return Prepared(prompt_token_ids=tuple(ids), state=plan, is_served_whole=True)
+        return Prepared(prompt_token_ids=tuple(ids), state=plan)
 
-    # ---- the blocking path ----
+    # ---- the engine's steps (both paths) ----
 
-    @torch.no_grad()
-    def plan(self, plans: list[PlanInput]) -> torch.Tensor:
-        """The planned actions ``[B, chunk_size, max_action_dim]`` float32 of several requests, as one batch."""
-        prefix = [self.model.embed_prefix(p.input_ids, p.pixel_values) for p in plans]
-        kv, lens = self.model.prefix_kv(prefix)
-        state = torch.stack([p.state for p in plans])
-        noise = torch.stack([p.noise for p in plans]).to(state.dtype)
-        return self.model.sample(state, noise, kv, lens).float()
-
-    def handle_request(self, spec: RequestSpec, request: Request) -> Iterator[RequestOutput]:
-        if request.handle.cancelled.is_set():
-            yield RequestOutput(request_id=request.request_id, text="", token_ids=(), finished=True,
-                                finish_reason="cancelled")
-            return
-        actions = self.plan([request.state])[0]
-        yield RequestOutput(
-            request_id=request.request_id, text="", token_ids=(), finished=True, finish_reason="stop",
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=0,
-            output_trajectory=tuple(tuple(row) for row in actions.tolist()))
-
-    # ---- in-flight batching ----
-    # The deployment starts under --enable-in-flight-batching (its declaration passes the gate), but
-    # the engine rejects every trajectory at submit and ``prepare`` refuses a request without one, so
-    # no pi0 request is ever seated there: a step can only be a fault.
-
-    def execute(self, step):
-        raise RuntimeError("pi0 requests are served on the blocking path only: none can be seated in a batch")
+    def execute(self, step: ScheduledStep) -> StepOutput:
+        return self.planner.execute(step)
 
     def release(self, request_id: str, seat: int) -> None:
-        pass
+        self.planner.release(request_id)
+
+    def finish_output(self, request: Request, output: RequestOutput) -> Sequence[RequestOutput]:
+        """The final output with the plan: no text and no output tokens (the end token only ended the steps)."""
+        actions = self.planner.take_plan(request.request_id)
+        if actions is None:
+            raise RuntimeError("the request finished before its plan was done")
+        return [attrs.evolve(output, text="", token_ids=(), logprobs=(), num_output_tokens=0,
+                             output_trajectory=tuple(tuple(row) for row in actions.tolist()))]

@@ -1,7 +1,7 @@
 """The reference side of the pi0 tests: a tiny random pi0 built and saved by transformers, and what
 transformers' own processor and ``sample_actions`` compute on it.
 
-Run as a script (``python -m tests.plugins.action.reference build DIR``, ``... run DIR CASES OUT`` or both at once,
+Run as a script (``python -m tests.plugins.action.reference build DIR [SIZES_JSON]``, ``... run DIR CASES OUT`` or both at once,
 ``... build-and-run DIR CASES OUT``)
 in a process of its own: PI0's image processor is transformers' torchvision backend, and PyPI's
 torchvision wheels are CUDA builds whose C extension does not load with the CPU build of torch. The
@@ -60,8 +60,17 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
 
 
-def build(directory: Path) -> None:
-    """Save a tiny random ``PI0ForConditionalGeneration`` and its ``PI0Processor`` into ``directory``."""
+#: the test checkpoint's sizes; ``build`` takes others (``benchmarks/action_batching.py`` builds a larger one)
+TINY = dict(text_hidden=64, text_layers=2, text_intermediate=96, text_heads=4, text_head_dim=16, vision_hidden=32,
+            vision_intermediate=48, vision_layers=2, vision_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+            expert_hidden=32, expert_layers=2, expert_intermediate=48, expert_heads=4, expert_head_dim=16,
+            chunk_size=CHUNK_SIZE, max_state_dim=MAX_STATE_DIM, max_action_dim=MAX_ACTION_DIM, vocab=300)
+
+
+def build(directory: Path, sizes: dict | None = None) -> None:
+    """Save a random ``PI0ForConditionalGeneration`` (``TINY`` unless ``sizes`` overrides some) and its
+    ``PI0Processor`` into ``directory``."""
+    z = {**TINY, **(sizes or {})}
     import_torchvision()
     import transformers
     from tokenizers import AddedToken  # noqa: F401 - the processor adds its own tokens
@@ -69,31 +78,34 @@ def build(directory: Path) -> None:
     from tests.models.text import SPECIAL_TOKENS, train_tiny_tokenizer
 
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=train_tiny_tokenizer(300), bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2],
+        tokenizer_object=train_tiny_tokenizer(z["vocab"]), bos_token=SPECIAL_TOKENS[0], eos_token=SPECIAL_TOKENS[2],
         pad_token=SPECIAL_TOKENS[1])
     image_processor = transformers.PI0ImageProcessor(
-        size={"max_height": IMAGE_SIZE, "max_width": IMAGE_SIZE},
-        pad_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2)
+        size={"max_height": z["image_size"], "max_width": z["image_size"]},
+        pad_size={"height": z["image_size"], "width": z["image_size"]},
+        image_seq_length=(z["image_size"] // z["patch_size"]) ** 2)
     processor = transformers.PI0Processor(
         image_processor=image_processor, tokenizer=tok, state_mean=STATE_MEAN, state_std=STATE_STD,
-        max_state_dim=MAX_STATE_DIM, chunk_size=CHUNK_SIZE)
+        max_state_dim=z["max_state_dim"], chunk_size=z["chunk_size"])
     vocab_size = len(processor.tokenizer)
     config = transformers.PI0Config(
         vlm_config={
             "model_type": "paligemma",
-            "text_config": {"model_type": "gemma", "hidden_size": 64, "num_hidden_layers": 2,
-                            "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 1,
-                            "head_dim": 16, "vocab_size": vocab_size, "rope_theta": 10000.0},
-            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
-                              "num_hidden_layers": 2, "num_attention_heads": 4, "patch_size": PATCH_SIZE,
-                              "image_size": IMAGE_SIZE, "vision_use_head": False},
-            "projection_dim": 64,
+            "text_config": {"model_type": "gemma", "hidden_size": z["text_hidden"],
+                            "num_hidden_layers": z["text_layers"], "intermediate_size": z["text_intermediate"],
+                            "num_attention_heads": z["text_heads"], "num_key_value_heads": 1,
+                            "head_dim": z["text_head_dim"], "vocab_size": vocab_size, "rope_theta": 10000.0},
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": z["vision_hidden"],
+                              "intermediate_size": z["vision_intermediate"], "num_hidden_layers": z["vision_layers"],
+                              "num_attention_heads": z["vision_heads"], "patch_size": z["patch_size"],
+                              "image_size": z["image_size"], "vision_use_head": False},
+            "projection_dim": z["text_hidden"],
             "image_token_id": processor.image_token_id,
         },
-        dit_config={"model_type": "gemma", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48,
-                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16},
-        chunk_size=CHUNK_SIZE, max_state_dim=MAX_STATE_DIM, max_action_dim=MAX_ACTION_DIM,
+        dit_config={"model_type": "gemma", "hidden_size": z["expert_hidden"], "num_hidden_layers": z["expert_layers"],
+                    "intermediate_size": z["expert_intermediate"], "num_attention_heads": z["expert_heads"],
+                    "num_key_value_heads": 1, "head_dim": z["expert_head_dim"]},
+        chunk_size=z["chunk_size"], max_state_dim=z["max_state_dim"], max_action_dim=z["max_action_dim"],
         num_inference_steps=10,
     )
     torch.manual_seed(0)
@@ -141,8 +153,8 @@ def run(directory: Path, cases_path: Path, out_path: Path) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    if command == "build":
-        build(Path(args[0]))
+    if command == "build":  # build DIR [SIZES_JSON]
+        build(Path(args[0]), json.loads(args[1]) if len(args) > 1 else None)
     elif command == "run":
         run(Path(args[0]), Path(args[1]), Path(args[2]))
     elif command == "build-and-run":  # one process: the imports cost more than either step

@@ -1,9 +1,10 @@
-"""pi0 behind the real app: the planned trajectory over /v1/chat/completions, bad input answered with 400s
-naming the field (and the server serving on), and the in-flight declaration honoured."""
+"""pi0 behind the real app, on the blocking path and under in-flight batching: the planned trajectory over
+/v1/chat/completions, bad input answered with 400s naming the field (and the server serving on)."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -25,8 +26,10 @@ def _with_state(case, state) -> list[dict]:
     return [*case.content()[:-1], {"type": "trajectory", "trajectory": state}]
 
 
-def test_chat_completions_returns_the_planned_trajectory_and_refuses_bad_input(pi0: Pi0Fixture):
-    deployment = load_deployment(DeployConfig(model=str(pi0.path), plugin="action"))
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_chat_completions_returns_the_planned_trajectory_and_refuses_bad_input(pi0: Pi0Fixture, in_flight):
+    deployment = load_deployment(DeployConfig(model=str(pi0.path), plugin="action", enable_in_flight_batching=in_flight,
+                                              max_batch_size=4 if in_flight else 1))
     case, ref = pi0.cases[1], pi0.reference[1]
     try:
         with running(build_app(deployment)) as url:
@@ -55,6 +58,7 @@ def test_chat_completions_returns_the_planned_trajectory_and_refuses_bad_input(p
                 "no trajectory": (_body(case.content()[:-1]), "messages"),
                 "noise_seed alone": (_body(case.content()[:-1], noise_seed=3), "noise_seed"),
                 "two trajectories": (_body([*case.content(), case.content()[-1]]), "messages[0].content[4].trajectory"),
+                "ignore_eos": (_body(case.content(), ignore_eos=True), "ignore_eos"),
             }
             for what, (body, param) in bad.items():
                 raw = json.dumps(body).replace('"INF"', "1e999").encode()
@@ -78,20 +82,25 @@ def test_chat_completions_returns_the_planned_trajectory_and_refuses_bad_input(p
         deployment.shutdown()
 
 
-def test_under_in_flight_batching_trajectories_are_rejected_with_the_specs_reason(pi0: Pi0Fixture):
+def test_under_in_flight_batching_concurrent_plans_are_each_the_reference(pi0: Pi0Fixture):
     deployment = load_deployment(DeployConfig(model=str(pi0.path), plugin="action", enable_in_flight_batching=True,
-                                              max_batch_size=2))
-    case = pi0.cases[0]
+                                              max_batch_size=4))
     try:
         with running(build_app(deployment)) as url:
-            reply = httpx.post(f"{url}/v1/chat/completions", json=_body(case.content()), timeout=60)
-            assert reply.status_code == 400
-            error = reply.json()["error"]
-            assert "Trajectory execution founds its own batch" in error["message"]
-            assert "blocking path" in error["message"]
-            assert error["param"] == "messages[0].content[2].trajectory"
             models = httpx.get(f"{url}/v1/models").json()["data"][0]["capabilities"]["request_options"]
-            assert models["past_trajectory"] == "rejected"
+            assert models["past_trajectory"] == "served"
+
+            def plan(case):
+                reply = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                                   json=_body(case.content(), noise_seed=case.noise_seed))
+                assert reply.status_code == 200, reply.text
+                return torch.tensor(reply.json()["choices"][0]["message"]["output_trajectory"])
+
+            with ThreadPoolExecutor(len(pi0.cases)) as pool:
+                plans = list(pool.map(plan, pi0.cases))
+            for planned, ref in zip(plans, pi0.reference, strict=True):
+                assert (planned - ref["actions"]).abs().max() <= 1e-4
+            settle(deployment)
     finally:
         deployment.shutdown()
 
