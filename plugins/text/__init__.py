@@ -38,8 +38,9 @@ VARIANTS = (
     MatrixVariant("Text LLM, single rank", DeployConfig(plugin="text", enable_in_flight_batching=True)),
     MatrixVariant("Text LLM, tensor parallelism", DeployConfig(plugin="text", enable_in_flight_batching=True, num_ranks=2),
                   note="--tensor-parallel-size N: ranks spawned on this machine or started by torchrun (gloo on "
-                       "CPU, NCCL on CUDA); float32 weights (a GGUF is dequantized); mixture-of-experts layers "
-                       "replicated on every rank."),
+                       "CPU, NCCL on CUDA); a GGUF's matrices on their blocks as on one rank (row-parallel splits "
+                       "along whole blocks; a split that would cut one is refused at load), float32 otherwise; "
+                       "mixture-of-experts layers replicated on every rank."),
     MatrixVariant(
         "Speculative decoding (draft model, n-gram prompt lookup)",
         DeployConfig(plugin="text", enable_in_flight_batching=True, options={"speculative_method": "ngram"}),

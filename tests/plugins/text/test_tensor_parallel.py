@@ -4,20 +4,28 @@ joins, preemption, the context cache across ranks) and on the blocking path."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
 from ifb import LLM, SamplingParams
 from ifb.params import RequestSpec
 from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.quant.linear import BlockLinear
 from ifb_plugins.common.models.tensor_parallel import check_shardable
 from tests.models.moe import save_tiny_moe
-from tests.models.text import save_tiny_llama
+from tests.models.text import save_tiny_gguf, save_tiny_llama
+from tests.native import needs_kernels
+from tests.plugins.common.test_kquants import quantize_k
+
+Q = gguf.GGMLQuantizationType
 
 PROMPTS = [list(range(5 + 3 * i, 5 + 3 * i + n)) for i, n in enumerate([9, 14, 6, 11])]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
 #: a pool too small for the four answers: the youngest residents are preempted and recomputed
 TIGHT = dict(enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16, max_kv_cache_capacity=80)
+#: room for every answer: the later two join while the first two decode
+ROOMY = dict(TIGHT, max_kv_cache_capacity=256)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +87,63 @@ def test_heads_that_do_not_divide_are_refused_naming_the_numbers():
     check_shardable(config, 3)
     with pytest.raises(ValueError, match="divisible by 2: this model has 9 attention heads, 3 KV heads"):
         check_shardable(config, 2)
+
+
+#: a Q4_K_M-style mix (K-quants, Q8_0, Q5_0) whose row-parallel splits fall on whole blocks: O (256
+#: input features, 128 a rank) in 32-weight blocks, down (512, 256 a rank) in K-quant super-blocks of 256
+TP_MIX = {
+    "token_embd.weight": Q.Q6_K,
+    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_K, "blk.0.attn_v.weight": Q.Q6_K,
+    "blk.0.attn_output.weight": Q.Q8_0, "blk.0.ffn_gate.weight": Q.Q4_K, "blk.0.ffn_up.weight": Q.Q4_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.Q5_0, "blk.1.ffn_gate.weight": Q.Q5_K, "blk.1.ffn_up.weight": Q.Q5_K,
+    "blk.1.ffn_down.weight": Q.Q4_K,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-gguf")
+    hf = save_tiny_llama(root / "hf", seed=11, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                         tie_word_embeddings=True)
+    return save_tiny_gguf(hf, root / "mixed.gguf", tensor_types=TP_MIX, quantize=quantize_k)
+
+
+@needs_kernels
+def test_a_gguf_on_its_blocks_on_two_ranks_serves_the_one_rank_tokens(mixed_gguf):
+    with LLM(str(mixed_gguf), **ROOMY) as llm:
+        want = staggered(llm)
+    with LLM(str(mixed_gguf), tensor_parallel_size=2, **ROOMY) as llm:
+        first = llm.deployment.runtime.model.model.layers[0]  # rank 0's shard, on its blocks
+        assert isinstance(first.self_attn.o_proj, BlockLinear) and first.self_attn.o_proj.in_features == 128
+        assert first.mlp.gate_up_proj.out_features == 512 and first.self_attn.v_proj.qtype == Q.Q6_K
+        got = staggered(llm)
+        counts = llm.health()["scheduling"]
+    assert counts["admitted_mid_flight"] > 0 and counts["failed"] == 0
+    # Not bit-identical: each column-parallel output (Q, K, V, gate, up, the head) is the one-rank
+    # column's bits, and each rank quantizes its row-parallel input per 32-block exactly as one rank
+    # does (the split falls on whole blocks), but O's and down's sums run as two partial chains added
+    # by the all-reduce instead of one chain: float32 rounding, a few units in the last place, which
+    # can move a later activation code by one step. The greedy tokens are the one-rank tokens.
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    for (_, lp), (_, want_lp) in zip(got, want):
+        assert lp == pytest.approx(want_lp, abs=1e-3)
+
+
+def test_a_row_parallel_split_that_would_cut_a_super_block_is_refused_naming_the_numbers(mixed_gguf, tmp_path):
+    from ifb_plugins.common.loading.gguf import read_gguf_tensors
+    from ifb_plugins.common.loading.checkpoint import load_checkpoint
+    from ifb_plugins.common.models.tensor_parallel import ShardPlan
+
+    hf = mixed_gguf.parent / "hf"
+    path = save_tiny_gguf(hf, tmp_path / "cut.gguf", tensor_types={**TP_MIX, "blk.0.attn_output.weight": Q.Q4_K},
+                          quantize=quantize_k)
+    config, tensors = load_checkpoint(mixed_gguf).config, read_gguf_tensors(path)
+    plan = ShardPlan(config, 1, 2)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight \(Q4_K, 256 input features\) "
+                                         r"into shares of 128 input features, which would cut its blocks of 256"):
+        plan.shard_gguf(tensors)
+    cut = ShardPlan(config, 1, 2).shard_gguf(read_gguf_tensors(mixed_gguf))
+    down = cut["model.layers.0.mlp.down_proj.weight"]  # Q6_K: one super-block of 256 of each row's 512
+    assert down.shape == (256, 256) and down.data.shape[1] == gguf.GGML_QUANT_SIZES[Q.Q6_K][1]
