@@ -175,12 +175,16 @@ def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     ctx = current()
     if ctx is None or ctx.world_size != config.num_ranks:
         raise RuntimeError(f"a {config.num_ranks}-rank text deployment loads inside ifb.parallel's ranks")
-    if lora_enabled(config):
-        raise ValueError("LoRA adapters are not served under tensor parallelism (they hook the whole projections)")
+    from ifb_plugins.common.models.tensor_parallel import ShardPlan
+
     mode = quantization_mode(config)
     path = Path(config.model)
     loaded = load_checkpoint(path, defer_quantized=mode != "none")
     model, prepared = build_text_shard(loaded, mode, ctx)
+    # every rank loads each adapter's share at start-up; one loaded later would reach rank 0 only
+    lora = lora_set(model, config, shard=ShardPlan(loaded.config, ctx.rank, ctx.world_size).shard_adapter,
+                    fixed="under tensor parallelism the LoRA adapters are loaded on every rank at start-up "
+                          "(--lora NAME=DIR); one loaded while serving would reach rank 0 only")
     kv_dtype = kv_cache_dtype(config, mode, prepared)
     if config.max_kv_cache_capacity is None:
         # every rank holds the same block ids: the pool is what the tightest rank affords
@@ -197,7 +201,7 @@ def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
                  model.config.num_heads, c.num_heads, model.config.num_kv_heads, c.num_kv_heads,
                  str(kv_dtype).removeprefix("torch."))
     runtime = TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
-                          kv_dtype=kv_dtype)
+                          lora=lora, kv_dtype=kv_dtype)
     if prepared.is_native:
         runtime.step_torch_threads = 1
     runtime.greedy_argmax = prepared.argmax

@@ -127,6 +127,17 @@ class ShardPlan:
         cut = self.cut(f"{name}.weight")
         return cut is not None and cut.axis == "columns"
 
+    def shard_adapter(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a LoRA pair (``A [r, in]``, ``B [out, r]``) on projection ``module``: B's
+        rows of a column-parallel projection, A's columns of a row-parallel one (its partial product
+        ``B (A_rank x_rank)`` is added before the all-reduce, which sums it to ``B A x``)."""
+        cut = self.cut(f"{module}.weight")
+        if cut is None:
+            return a, b
+        if cut.axis == "columns":
+            return a[:, cut.start:cut.stop].contiguous(), b
+        return a, b[cut.start:cut.stop].contiguous()
+
     # ---- the checkpoint's tensors, cut ----
     def shard_state(self, state: Mapping[str, torch.Tensor], deferred: frozenset[str] = frozenset()
                     ) -> dict[str, torch.Tensor]:

@@ -46,27 +46,41 @@ def staggered(llm: LLM, prompts=PROMPTS) -> list:
 
 
 @pytest.fixture(scope="module")
-def one_rank(checkpoint):
-    with LLM(str(checkpoint), **TIGHT) as llm:
-        return staggered(llm), llm.health()["scheduling"]
+def one_rank(checkpoint, adapters):
+    with LLM(str(checkpoint), lora_adapters=adapters, **TIGHT) as llm:
+        tokens = staggered(llm)
+        counts = llm.health()["scheduling"]
+        return tokens, counts, adapters_and_n(llm)
 
 
-def test_two_ranks_serve_the_one_rank_tokens_under_in_flight_batching(checkpoint, one_rank):
-    want, want_counts = one_rank
-    with LLM(str(checkpoint), tensor_parallel_size=2, enable_context_reuse=True, **TIGHT) as llm:
+def test_two_ranks_serve_the_one_rank_tokens_under_in_flight_batching(checkpoint, adapters, one_rank):
+    """Joins, preemption, the context cache, three LoRA adapters and the base in one batch, and n = 2:
+    one group of two ranks serves them all as one rank does."""
+    want, want_counts, want_lora = one_rank
+    with LLM(str(checkpoint), tensor_parallel_size=2, enable_context_reuse=True, lora_adapters=adapters,
+             **TIGHT) as llm:
         assert llm.deployment.caps.num_ranks == 2 and llm.engine.is_in_flight
         got = staggered(llm)
         # the same prompt again: its full blocks come from the context cache, each rank's KV share with them
         again = staggered(llm, PROMPTS[:1])
+        got_lora = adapters_and_n(llm)
         health = llm.health()
+        # an adapter loaded while serving would reach rank 0 only
+        with pytest.raises(ValueError, match="loaded on every rank at start-up"):
+            llm.deployment.runtime.lora.load("late", adapters["qv"])
     counts = health["scheduling"]
     assert counts["admitted_mid_flight"] > 0 and counts["preempted"] > 0 and want_counts["preempted"] > 0
-    assert counts["completed"] == len(PROMPTS) + 1 and counts["failed"] == 0
+    assert counts["completed"] == len(PROMPTS) + 1 + 5 and counts["failed"] == 0
     assert health["prefix_cache"]["hits"] > 0
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     assert again[0][0] == want[0][0]
     for (_, lp), (_, want_lp) in zip(got, want):
         assert lp == pytest.approx(want_lp, abs=1e-5)
+    # every adapter's rows (O and down row-parallel among them) and both sampled sequences of the n = 2 request
+    assert got_lora == want_lora
+    assert want_lora[(4, 0)] != want_lora[(4, 1)]
+    # each adapter changes its prompt's answer; the base row in the same batch is the base answer
+    assert [want_lora[(i, 0)] == want[i][0][:12] for i in range(4)] == [False, False, True, False]
 
 
 def test_a_mixture_of_experts_on_two_ranks_on_the_blocking_path(tmp_path):
@@ -147,3 +161,46 @@ def test_a_row_parallel_split_that_would_cut_a_super_block_is_refused_naming_the
     cut = ShardPlan(config, 1, 2).shard_gguf(read_gguf_tensors(mixed_gguf))
     down = cut["model.layers.0.mlp.down_proj.weight"]  # Q6_K: one super-block of 256 of each row's 512
     assert down.shape == (256, 256) and down.data.shape[1] == gguf.GGML_QUANT_SIZES[Q.Q6_K][1]
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """Three adapters made and saved by ``peft`` on the biased checkpoint (random ``lora_B``, so each changes
+    the output): on column-parallel Q/V, on every attention projection (O row-parallel), on the MLP (down)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tp-adapters")
+    made = {}
+    for i, (name, targets) in enumerate({"qv": ["q_proj", "v_proj"], "attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                         "mlp": ["gate_proj", "up_proj", "down_proj"]}.items()):
+        base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        g = torch.Generator().manual_seed(200 + i)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if "lora_" in key:
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+        model.save_pretrained(root / name)
+        made[name] = str(root / name)
+    return made
+
+
+def adapters_and_n(llm: LLM) -> dict:
+    """Three adapters and the base in one batch, and an n = 2 sampled request, staggered: each output by
+    request and sequence index."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    specs = [RequestSpec(prompt_token_ids=tuple(p), params=greedy, extras={"lora": name} if name else {})
+             for p, name in zip(PROMPTS, ["qv", "attn", None, "mlp"])]
+    specs.append(RequestSpec(prompt_token_ids=tuple(range(40, 61)),
+                             params=SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=12, ignore_eos=True)))
+    handles = [llm.engine.submit(s) for s in specs[:2]]
+    first = iter(handles[0])
+    head = [next(first)]
+    handles += [llm.engine.submit(s) for s in specs[2:]]
+    out: dict = {}
+    for i, outputs in enumerate([[*head, *first]] + [list(h) for h in handles[1:]]):
+        for o in outputs:
+            out.setdefault((i, o.index), []).extend(o.token_ids)
+    return out
+
