@@ -204,3 +204,16 @@ def adapters_and_n(llm: LLM) -> dict:
             out.setdefault((i, o.index), []).extend(o.token_ids)
     return out
 
+
+
+def test_a_model_whose_heads_do_not_divide_is_refused_at_load_naming_the_numbers(tmp_path):
+    from ifb.parallel import ParallelContext
+    from ifb_plugins.common.loading.checkpoint import load_checkpoint
+    from ifb_plugins.common.models.parts import ModelParts
+    from ifb_plugins.common.models.tensor_parallel import build_sharded_model
+
+    # refused before any weight is cut or any rank is met
+    loaded = load_checkpoint(save_tiny_llama(tmp_path / "odd", num_heads=3, num_kv_heads=3, hidden_size=48))
+    with pytest.raises(ValueError, match="divisible by 2: this model has 3 attention heads, 3 KV heads"):
+        build_sharded_model(loaded.config, loaded.state_dict, {}, ParallelContext(rank=1, world_size=2),
+                            lambda *_: ModelParts())
