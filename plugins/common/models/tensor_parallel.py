@@ -185,8 +185,9 @@ class ShardPlan:
 
 
 def _whole_block_ranks(features: int, per: int) -> str:
-    counts = [str(n) for n in range(1, 9) if features % n == 0 and (features // n) % per == 0]
-    return "rank counts " + ", ".join(counts) if counts else "one rank"
+    """The rank counts up to 8 (beyond one) that split ``features`` along whole blocks of ``per``."""
+    counts = [str(n) for n in range(2, 9) if features % n == 0 and (features // n) % per == 0]
+    return f"{' or '.join(counts)} ranks" if counts else "one rank"
 
 
 class AllReduce:
