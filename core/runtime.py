@@ -43,6 +43,9 @@ class NewSeq:
     params: SamplingParams
     #: what the runtime's ``prepare`` returned as ``Prepared.state`` (the engine never reads it)
     state: Any = None
+    #: ``Prepared.kv_salt``: what besides the tokens makes the request's KV its own. The other ranks of a
+    #: tensor-parallel deployment never get ``state``; they compute the same KV from this name.
+    kv_salt: str | None = None
 
 
 @attrs.frozen

@@ -275,7 +275,8 @@ class Scheduler:
         self.num_steps += 1
         new, self._new = self._new, {}
         new_seqs = tuple(NewSeq(request_id=r.request_id, seat=r.seat, token_ids=tuple(r.all_token_ids()),
-                                num_prompt_tokens=r.num_prompt_tokens, params=r.params, state=r.state)
+                                num_prompt_tokens=r.num_prompt_tokens, params=r.params, state=r.state,
+                                kv_salt=r.kv_salt)
                          for r in new.values())
         copies, self._copies = tuple(self._copies), []
         return ScheduledStep(step_id=self.num_steps, seqs=tuple(self._scheduled_seq(r, n) for r, n in shares),

@@ -12,10 +12,12 @@ from ifb_plugins.text.speculation import speculation_caps
 TEXT_SETTINGS = TEXT_RUNTIME_SETTINGS | {setting.name for setting in SETTINGS}
 
 
-#: what a tensor-parallel deployment has on no path (its ranks run only the scheduled steps)
-_TP_ABSENT = {
-    "lora": OptionSupport(Support.NOT_APPLICABLE, reason="LoRA adapters are not sharded over ranks.",
-                          alternative="Serve adapters on one rank."),
+#: how a tensor-parallel deployment differs (its ranks run only the scheduled steps)
+_TP_OPTIONS = {
+    "lora": OptionSupport(
+        Support.SERVED, reason="Each rank holds its share of every adapter (B's rows of Q/K/V and gate/up, A's "
+                               "columns of O and down), loaded at start-up (--lora NAME=DIR); rows grouped by "
+                               "adapter as on one rank. Loading adapters while serving is refused."),
     "save_system_prompt_kv_cache": OptionSupport(
         Support.NOT_APPLICABLE, reason="The legacy capture prefills outside the scheduled steps the ranks run.",
         alternative="Use the context cache (--enable-context-reuse)."),
@@ -25,7 +27,7 @@ _TP_ABSENT = {
 def declare(config: DeployConfig) -> DeploymentCaps:
     options = text_options(context_reuse=config.enable_context_reuse)
     if config.num_ranks > 1:
-        options.update(_TP_ABSENT)
+        options.update(_TP_OPTIONS)
     return DeploymentCaps(
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
         num_ranks=config.num_ranks, batch_invariant_verified=True, options=options,
@@ -38,8 +40,9 @@ VARIANTS = (
     MatrixVariant("Text LLM, single rank", DeployConfig(plugin="text", enable_in_flight_batching=True)),
     MatrixVariant("Text LLM, tensor parallelism", DeployConfig(plugin="text", enable_in_flight_batching=True, num_ranks=2),
                   note="--tensor-parallel-size N: ranks spawned on this machine or started by torchrun (gloo on "
-                       "CPU, NCCL on CUDA); float32 weights (a GGUF is dequantized); mixture-of-experts layers "
-                       "replicated on every rank."),
+                       "CPU, NCCL on CUDA); a GGUF's matrices on their blocks as on one rank (row-parallel splits "
+                       "along whole blocks; a split that would cut one is refused at load), float32 otherwise; "
+                       "mixture-of-experts layers replicated on every rank."),
     MatrixVariant(
         "Speculative decoding (draft model, n-gram prompt lookup)",
         DeployConfig(plugin="text", enable_in_flight_batching=True, options={"speculative_method": "ngram"}),

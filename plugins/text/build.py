@@ -167,25 +167,25 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack
 
 
 def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
-    """This rank's shard of a tensor-parallel deployment (``ifb.parallel``): the float32 model, sharded."""
+    """This rank's shard of a tensor-parallel deployment (``ifb.parallel``): the model cut as it is built
+    (``models.tensor_parallel``), a GGUF's matrices on their blocks as on one rank (``quantization``)."""
     from ifb.parallel import current
-    from ifb_plugins.common.models.tensor_parallel import check_shardable, shard_text_model
     from ifb_plugins.common.runtime.text import kv_bytes_per_token, kv_capacity_tokens, max_model_len_for
 
     ctx = current()
     if ctx is None or ctx.world_size != config.num_ranks:
         raise RuntimeError(f"a {config.num_ranks}-rank text deployment loads inside ifb.parallel's ranks")
-    if lora_enabled(config):
-        raise ValueError("LoRA adapters are not served under tensor parallelism (they hook the whole projections)")
-    mode = config.options.get("quantization") or "auto"
-    if mode not in ("auto", "none"):
-        raise ValueError(f"quantization {mode!r} runs the GGUF's blocks, which tensor parallelism does not shard "
-                         f"yet: use quantization none (or auto, which is none under tensor parallelism)")
+    from ifb_plugins.common.models.tensor_parallel import ShardPlan
+
+    mode = quantization_mode(config)
     path = Path(config.model)
-    loaded = load_checkpoint(path, defer_quantized=False)
-    check_shardable(loaded.config, ctx.world_size)  # before the weights are built
-    model = shard_text_model(build_model(loaded, dtype=torch.float32), ctx)
-    kv_dtype = KV_CACHE_DTYPES.get(config.options.get("kv_cache_dtype") or "auto") or torch.float32
+    loaded = load_checkpoint(path, defer_quantized=mode != "none")
+    model, prepared = build_text_shard(loaded, mode, ctx)
+    # every rank loads each adapter's share at start-up; one loaded later would reach rank 0 only
+    lora = lora_set(model, config, shard=ShardPlan(loaded.config, ctx.rank, ctx.world_size).shard_adapter,
+                    fixed="under tensor parallelism the LoRA adapters are loaded on every rank at start-up "
+                          "(--lora NAME=DIR); one loaded while serving would reach rank 0 only")
+    kv_dtype = kv_cache_dtype(config, mode, prepared)
     if config.max_kv_cache_capacity is None:
         # every rank holds the same block ids: the pool is what the tightest rank affords
         device = next(model.parameters()).device
@@ -196,8 +196,41 @@ def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     name = config.options.get("served_model_name") or model_name_for(path)
     if ctx.rank == 0:
         c = loaded.config
-        log.info("loaded %s (%s, %d layers, hidden %d; float32, rank 0 of %d: %d of %d heads, %d of %d KV heads)",
-                 name, loaded.source, c.num_layers, c.hidden_size, ctx.world_size, model.config.num_heads,
-                 c.num_heads, model.config.num_kv_heads, c.num_kv_heads)
-    return TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
-                       kv_dtype=kv_dtype)
+        log.info("loaded %s (%s, %d layers, hidden %d; %s; rank 0 of %d: %d of %d heads, %d of %d KV heads; %s KV cache)",
+                 name, loaded.source, c.num_layers, c.hidden_size, prepared.description, ctx.world_size,
+                 model.config.num_heads, c.num_heads, model.config.num_kv_heads, c.num_kv_heads,
+                 str(kv_dtype).removeprefix("torch."))
+    runtime = TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
+                          lora=lora, kv_dtype=kv_dtype)
+    if prepared.is_native:
+        runtime.step_torch_threads = 1
+    runtime.greedy_argmax = prepared.argmax
+    return runtime
+
+
+def build_text_shard(loaded: LoadedCheckpoint, mode: str, ctx) -> tuple[TextModel, PreparedModel]:
+    """Rank ``ctx.rank``'s share of the deployment's model: a GGUF's matrices on their blocks where ``mode``
+    runs them (cut along whole blocks), else float32; the layers run from Python (``TensorParallelParts``)."""
+    from ifb_plugins.common.models.tensor_parallel import build_sharded_model
+
+    on_blocks = mode != "none" and loaded.source == "gguf"
+    tensors = {}
+    if on_blocks:
+        from ifb_plugins.common.loading.gguf import read_gguf_tensors
+
+        tensors = read_gguf_tensors(loaded.path)
+
+    def make_parts(plan, cut_tensors, cut_state) -> ModelParts:
+        if not on_blocks:
+            return ModelParts()
+        from ifb_plugins.common.quant.parts import BlockParts
+
+        parts = BlockParts(plan.local, cut_tensors, cut_state, activations=_ACTIVATIONS[mode],
+                           deferred=loaded.deferred, layer_stack="torch")
+        if parts.kernels is not None:
+            parts.kernels.set_num_threads(torch.get_num_threads())
+        return parts
+
+    model, parts = build_sharded_model(loaded.config, loaded.state_dict, tensors, ctx, make_parts,
+                                       deferred=loaded.deferred)
+    return model, describe_model(model, parts, has_lora=False)

@@ -145,6 +145,8 @@ class Attention(nn.Module):
             for p, n in sizes:
                 setattr(self, p, parts.linear(f"{prefix}.{p}", h, n, bias))
         self.o_proj = parts.linear(f"{prefix}.o_proj", config.q_size, h, config.attention_out_bias)
+        #: completes ``o_proj``'s output where it is one rank's partial sum (``parts.partial_sum``), else None
+        self.o_sum = parts.partial_sum(f"{prefix}.o_proj")
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -179,7 +181,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.attention_impl(q, k_cache, v_cache, attn)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, c.q_size))  # [T, H]
+        y = self.o_proj(out.reshape(t, c.q_size))  # [T, H]
+        return y if self.o_sum is None else self.o_sum(y)
 
 
 class MLP(nn.Module):
@@ -197,12 +200,16 @@ class MLP(nn.Module):
             self.gate_proj = parts.linear(f"{prefix}.gate_proj", h, i, bias)
             self.up_proj = parts.linear(f"{prefix}.up_proj", h, i, bias)
         self.down_proj = parts.linear(f"{prefix}.down_proj", i, h, bias)
+        #: completes ``down_proj``'s output where it is one rank's partial sum (``parts.partial_sum``), else None
+        self.down_sum = parts.partial_sum(f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, H]
+            y = self.down_proj(F.silu(gate) * up)
+        else:
+            y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, H]
+        return y if self.down_sum is None else self.down_sum(y)
 
 
 class DecoderLayer(nn.Module):

@@ -5,6 +5,7 @@ can differ, at the place in the tree where it goes, by its state-dict name:
 
 - each projection: ``fused`` (Q/K/V, gate/up as one matmul where the weights
   allow it, else None) and ``linear``;
+- what a row-parallel projection's partial output goes through (``partial_sum``, tensor parallelism);
 - each layer's ``attention`` kernel (``attention.paged_attention``'s signature);
 - the token ``embedding``, the float32 ``lm_head`` (None when tied or not
   needed) and the output ``head`` when it is not that plain matmul;
@@ -81,6 +82,12 @@ class ModelParts:
     def linear(self, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
         """The projection ``name`` (``nn.Linear``'s call signature)."""
         return nn.Linear(in_features, out_features, bias=bias)
+
+    def partial_sum(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the output of projection ``name`` goes through before it is used: None (it is the
+        whole result), or, where the projection computes one rank's partial sum (tensor parallelism),
+        the all-reduce that completes it."""
+        return None
 
     def attention(self, name: str) -> Callable[..., torch.Tensor]:
         """The attention module ``name``'s kernel over the paged cache (``attention.paged_attention``'s signature)."""

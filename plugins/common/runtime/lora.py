@@ -66,13 +66,19 @@ def prefixed_names(prefixes: Sequence[tuple[str, str]]) -> ModuleNames:
     return rename
 
 
-def lora_set(model: nn.Module, config, module_names: ModuleNames = _same) -> "LoraSet":
+#: cuts an adapter's ``(A [r, in], B [out, r])`` for one projection (by module name) to a rank's share
+Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def lora_set(model: nn.Module, config, module_names: ModuleNames = _same, *, shard: Shard | None = None,
+             fixed: str | None = None) -> "LoraSet":
     """The adapters a deploy configuration asks for (``lora_adapters``, ``max_loras``, ``max_lora_rank``);
-    ``module_names``: how the adapters name the decoder's modules."""
+    ``module_names``: how the adapters name the decoder's modules; ``shard`` and ``fixed``: see ``LoraSet``."""
     adapters = dict(config.options.get("lora_adapters") or {})
     max_loras = config.options.get("max_loras") or (max(DEFAULT_MAX_LORAS, len(adapters)) if adapters else 0)
     return LoraSet(model, adapters, max_loras=max_loras,
-                   max_rank=config.options.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK, module_names=module_names)
+                   max_rank=config.options.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK, module_names=module_names,
+                   shard=shard, fixed=fixed)
 
 
 class AdapterError(ValueError):
@@ -112,8 +118,9 @@ def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int = DEFAULT_MAX_LORA_RANK,
-                 module_names: ModuleNames = _same) -> LoraAdapter:
-    """Read ``adapter_config.json`` + ``adapter_model.safetensors`` and check them against ``model``.
+                 module_names: ModuleNames = _same, shard: Shard | None = None) -> LoraAdapter:
+    """Read ``adapter_config.json`` + ``adapter_model.safetensors`` and check them against ``model``
+    (``shard``: a tensor-parallel rank's model, whose projections hold its share of each adapter pair).
 
     Raises AdapterError naming the module for a rank over ``max_rank``, a module the model lacks
     (or that takes no adapter here, or that lies outside its decoder) and weights of the wrong shape.
@@ -151,6 +158,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, *, max_rank: int
     for module, (a, b) in pairs.items():
         if a is None or b is None:
             raise AdapterError(f"LoRA adapter {name!r}: {module} needs both lora_A and lora_B")
+        if shard is not None:
+            a, b = shard(module, a, b)
         in_features, out_features = shapes[module]
         r = a.shape[0]
         if r > max_rank:
@@ -204,13 +213,20 @@ class LoraSet:
 
     ``load``, ``unload`` and ``get`` may run on any thread; ``step`` runs on the thread that executes steps
     (hooks are installed there, between forwards).
+
+    On a tensor-parallel rank ``shard`` cuts each adapter pair to the rank's share (``A``'s columns for a
+    row-parallel projection, ``B``'s rows for a column-parallel one: the partial products meet in the
+    projection's own all-reduce), and ``fixed`` says why no adapter is loaded after start-up.
     """
 
     def __init__(self, model: nn.Module, paths: dict[str, str], *, max_loras: int = 0,
-                 max_rank: int = DEFAULT_MAX_LORA_RANK, module_names: ModuleNames = _same):
+                 max_rank: int = DEFAULT_MAX_LORA_RANK, module_names: ModuleNames = _same,
+                 shard: Shard | None = None, fixed: str | None = None):
         self.model = model
         self.max_rank = max_rank
         self.module_names = module_names
+        self.shard = shard
+        self.fixed: str | None = None
         #: adapters loaded at once (0: the deployment serves none)
         self.max_loras = max_loras
         self._lock = threading.Lock()
@@ -223,6 +239,7 @@ class LoraSet:
             raise AdapterError(f"{len(paths)} adapters given, over --max-loras {self.max_loras}")
         for name, path in paths.items():
             self.load(name, path)
+        self.fixed = fixed
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -233,7 +250,10 @@ class LoraSet:
     # ---- the registry (any thread) ----
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         """Load and register an adapter (AdapterError: bad adapter; KeyError-free, names are unique)."""
-        adapter = load_adapter(name, path, self.model, max_rank=self.max_rank, module_names=self.module_names)
+        if self.fixed is not None:
+            raise AdapterError(self.fixed)
+        adapter = load_adapter(name, path, self.model, max_rank=self.max_rank, module_names=self.module_names,
+                               shard=self.shard)
         with self._lock:
             if name in self.adapters:
                 raise AdapterError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
@@ -259,6 +279,14 @@ class LoraSet:
         if adapter is None:
             raise KeyError(f"unknown LoRA adapter {name!r} (loaded: {known})")
         return adapter
+
+    def by_salt(self, kv_salt: str) -> LoraAdapter:
+        """The adapter whose ``kv_salt`` this is (a tensor-parallel rank's lookup of rank 0's choice)."""
+        with self._lock:
+            found = next((a for a in self.adapters.values() if a.kv_salt == kv_salt), None)
+        if found is None:
+            raise KeyError(f"no LoRA adapter with KV salt {kv_salt!r} is loaded on this rank")
+        return found
 
     def names(self) -> list[str]:
         with self._lock:

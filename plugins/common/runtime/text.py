@@ -233,8 +233,14 @@ class TextRuntime:
         """A tensor-parallel rank other than 0: this rank's shard of the step's forward (its KV heads'
         share written to its cache), and its share of the logits rank 0 samples from (``sample_step``'s rows)."""
         seats = self.seats.apply(step)
+        for new in step.new_seqs:  # the prepared state stays on rank 0; the salt names the adapter
+            if new.kv_salt is not None:
+                self.seats.seats[new.request_id].state = TextRequestState(lora=self.lora.by_salt(new.kv_salt))
         self.copy_blocks(step.block_copies)  # each rank forks its own KV share of the blocks
-        hidden = self._hidden(step, seats)
+        groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in step.seqs],
+                             self.device)
+        with self.lora.step(groups):  # each rank's share of the adapters' low-rank products
+            hidden = self._hidden(step, seats)
         rows = [t for _, t in sampled_rows(step.seqs)]
         if rows:
             self.model.compute_logits(hidden[rows])
