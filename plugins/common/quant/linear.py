@@ -31,9 +31,9 @@ A GGUF that mixes types (``Q4_K_M``: Q4_K, Q6_K and Q8_0 tensors) runs each
 tensor on its own type's path.
 
 Mixture-of-experts layers: each routed expert's gate/up and down become block
-matmuls of their own, of every type above and MXFP4 (gpt-oss's experts, rewritten
-exactly as Q8_0 blocks by ``mxfp4_as_q8_0``), (``moe.ExpertModules``), cut from llama.cpp's stacked
-``ffn_*_exps`` tensors per expert, blocks untouched; ``moe.SparseMoE`` gathers
+matmuls of their own (``moe.ExpertModules``), cut from llama.cpp's stacked
+``ffn_*_exps`` tensors per expert, blocks untouched, of every type above and MXFP4
+(gpt-oss's experts, rewritten exactly as Q8_0 blocks by ``mxfp4_as_q8_0``); ``moe.SparseMoE`` gathers
 the rows routed to an expert and multiplies them in one call. The router stays
 in float32.
 
