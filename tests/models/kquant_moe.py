@@ -36,7 +36,7 @@ _KEPT = re.compile(r".*(norm|ffn_gate_inp)\.weight")
 
 def save_kquant_moe(directory: Path, seed: int = 6, **sizes: object) -> Path:
     """A tiny random Qwen3-MoE saved by transformers, its widths whole K-quant super-blocks."""
-    widths = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_experts=8, top_k=2,
+    widths = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_experts=32, top_k=4,
                   head_dim=64)
     return save_tiny_moe(directory, "qwen3_moe", seed=seed, **{**widths, **sizes})
 

@@ -47,7 +47,7 @@ other rows in the call, so batched greedy output stays identical to solo output.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Literal
+from typing import Iterable, Iterator, Literal
 
 import attrs
 import gguf
@@ -140,6 +140,7 @@ def read_blocks(tensor: GGUFTensor, types: Iterable[gguf.GGMLQuantizationType] =
         return None
     n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(n, -1).copy()  # off the file's read-only map
+    tensor.release()
     return BlockWeight(tensor.ggml_type, torch.from_numpy(data), k)
 
 
@@ -148,9 +149,18 @@ def read_expert_blocks(tensor: GGUFTensor) -> list[BlockWeight] | None:
     (its rows as stored); None for types the kernels do not read."""
     if tensor.ggml_type not in EXPERT_TYPES or len(tensor.shape) != 3:
         return None
+    experts = list(iter_expert_blocks(tensor))
+    tensor.release()
+    return experts
+
+
+def iter_expert_blocks(tensor: GGUFTensor) -> Iterator[BlockWeight]:
+    """``read_expert_blocks``, one expert at a time (its rows copied off the map as it is taken): a
+    load holds one expert's copy at a time; the caller releases the tensor once it is read."""
     e, n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(e, n, -1)
-    return [BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k) for i in range(e)]
+    for i in range(e):
+        yield BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k)
 
 
 def mxfp4_as_q8_0(weight: BlockWeight) -> BlockWeight:

@@ -4,8 +4,6 @@ tiny Qwen3-MoE converted by llama.cpp's ``convert_hf_to_gguf.py`` and rewritten 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -15,10 +13,9 @@ from ifb_plugins.common.layers.moe import ExpertModules, SparseMoE
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
 from ifb_plugins.common.loading.gguf import GGUFTensor
 from ifb_plugins.common.quant import blocks as quant_blocks, int4_torch as quant_torch, linear as quant
-from tests.models.kquant_moe import convert_kquant_moe
 from tests.models.text import build_on_blocks, greedy_generate_batch
 from tests.native import needs_kernels
-from tests.plugins.common.test_kquants import F16_OFFSETS, integer_reference, quantize_k, random_blocks
+from tests.plugins.common.test_kquants import integer_reference, random_blocks
 from tests.plugins.common.test_loaders import prefill_logits
 from tests.plugins.common.test_quant import KERNELS
 
@@ -91,15 +88,9 @@ def test_every_expert_type_runs_on_its_kernel_with_the_reference_bits(qtype: Q, 
         assert torch.equal(full[3], torch.zeros(n))
 
 
-@pytest.fixture(scope="module")
-def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """(checkpoint, float32 GGUF by llama.cpp's converter, the same file in the Q4_K_M mix)."""
-    return convert_kquant_moe(tmp_path_factory.mktemp("kquant-moe"), quantize_k)
-
-
 @needs_kernels
-def test_q4_k_m_moe_runs_each_tensor_on_its_kernel_and_decodes_as_the_float32_model(q4_k_m) -> None:
-    _, _, path = q4_k_m
+def test_q4_k_m_moe_runs_each_tensor_on_its_kernel_and_decodes_as_the_float32_model(kquant_moe) -> None:
+    _, _, path = kquant_moe
     loaded = load_checkpoint(path)
     reference = build_model(loaded)  # float32 on the same dequantized blocks
     model, report = build_on_blocks(loaded, None, "native", activations="int16")
