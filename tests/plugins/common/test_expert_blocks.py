@@ -1,6 +1,7 @@
 """Every expert block type on the native kernels (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0/1, Q5_0/1, MXFP4), and a
 tiny Qwen3-MoE converted by llama.cpp's ``convert_hf_to_gguf.py`` and rewritten in its ``Q4_K_M`` mix
-(``ffn_down_exps`` in Q6_K) run with each tensor on its own kernel."""
+(``ffn_down_exps`` in Q6_K) run with each tensor on its own kernel, in the layer loop and inside the
+native whole-stack decoder (batched == alone with mid-flight joins)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from ifb import LLM, SamplingParams
+from ifb.params import RequestSpec
 from ifb_plugins.common.layers.moe import ExpertModules, SparseMoE
 from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
 from ifb_plugins.common.loading.gguf import GGUFTensor
+from ifb_plugins.common.models.native_decoder import NativeDecoder
 from ifb_plugins.common.quant import blocks as quant_blocks, int4_torch as quant_torch, linear as quant
+from tests.helpers import submit_staggered
 from tests.models.text import build_on_blocks, greedy_generate_batch
 from tests.native import needs_kernels
 from tests.plugins.common.test_kquants import integer_reference, random_blocks
@@ -104,3 +109,39 @@ def test_q4_k_m_moe_runs_each_tensor_on_its_kernel_and_decodes_as_the_float32_mo
     worst = max((prefill_logits(model, ids) - prefill_logits(reference, ids)).abs().max().item() for ids in PROMPTS)
     assert worst <= 2e-3
     assert greedy_generate_batch(model, PROMPTS, 24) == greedy_generate_batch(reference, PROMPTS, 24)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ENGINE_PROMPTS = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 40, 9, 23, 2, 31])]
+
+
+@needs_kernels
+def test_q4_k_m_moe_on_the_native_decoder_decodes_as_the_float32_model(kquant_moe) -> None:
+    _, _, path = kquant_moe
+    loaded = load_checkpoint(path)
+    reference = build_model(loaded)
+    model, _ = build_on_blocks(loaded, None, "native", activations="int16", layer_stack="auto")
+    assert isinstance(model.layer_stack, NativeDecoder)  # routing and experts inside the whole-stack call
+    loop, _ = build_on_blocks(loaded, None, "native", activations="int16", layer_stack="torch")
+    for ids in PROMPTS:  # another summation order of the router and the picks than the layer loop's
+        native = prefill_logits(model, ids)
+        assert (native - prefill_logits(loop, ids)).abs().max().item() <= 2e-3
+        assert (native - prefill_logits(reference, ids)).abs().max().item() <= 2e-3
+    assert greedy_generate_batch(model, PROMPTS, 24) == greedy_generate_batch(reference, PROMPTS, 24)
+
+
+@needs_kernels
+def test_q4_k_m_moe_batched_on_the_native_decoder_equals_each_prompt_alone(kquant_moe) -> None:
+    _, _, path = kquant_moe
+    llm = LLM(str(path), enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
+    try:
+        assert isinstance(llm.deployment.runtime.model.layer_stack, NativeDecoder)
+        specs = [RequestSpec(prompt_token_ids=tuple(ids), params=GREEDY) for ids in ENGINE_PROMPTS]
+        alone = [list(llm.engine.submit(s, wait=True).result().token_ids) for s in specs]
+        before = llm.health()["scheduling"]["admitted_mid_flight"]
+        batched = submit_staggered(llm.engine, specs, gap_steps=1)
+        assert [list(r.token_ids) for r in batched] == alone
+        assert llm.health()["scheduling"]["admitted_mid_flight"] > before  # someone joined mid-flight
+        assert len({t for r in alone for t in r}) > 8
+    finally:
+        llm.close()
