@@ -12,9 +12,10 @@ Each loads through ``ifb.LLM`` (``quantization="auto"``: the GGUF blocks times 1
 activations on the native kernels); decode tokens/s is measured with ``runtime.execute`` on
 hand-built decode steps at batch 1 and 16 seats after a 100-token prefill
 (``decode_speed.measure_direct``), the models alternating ``--repeats`` times so that all
-see the same machine load; the best of the repeats is kept. The native decoder runs the dense
-model's whole layer stack in C; MoE models run their layer loop in Python (each matmul, every
-expert's included, on the native kernels), so the dense model is measured that way too.
+see the same machine load; the best of the repeats is kept. The native decoder runs both
+models' whole layer stacks in C (the MoE's routing and experts included); the dense model's
+layer loop in Python is measured too, for the cost of Python dispatch, and the MoE's (the path
+MoE models took before their layers ran natively).
 
     python benchmarks/moe_speed.py                 # about 3 minutes on 2 cores
     python benchmarks/moe_speed.py --out moe.json
@@ -69,8 +70,8 @@ def write_models(directory: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def measure(path: Path, batches: tuple[int, ...], *, python_layers: bool = False) -> dict[str, Any]:
-    """Decode tokens/s per batch size; ``python_layers``: without the native decoder (the layer loop
-    that MoE models run), to separate its cost from the experts' dispatch."""
+    """Decode tokens/s per batch size; ``python_layers``: without the native decoder (the layer
+    loop), to separate its cost from the experts' dispatch."""
     from ifb.capabilities import DeployConfig
     from ifb_plugins.common.models.native_decoder import NativeDecoder
     from ifb_plugins.text import declare
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_models(Path(tmp))
         report["sizes_mib"] = {k: round(p.stat().st_size / 2**20, 1) for k, p in paths.items()}
         print(f"wrote the GGUFs in {time.perf_counter() - started:.0f} s: {report['sizes_mib']}", flush=True)
-        runs: dict[str, list[dict[str, Any]]] = {"moe": [], "dense": [], "dense_python_layers": []}
+        runs: dict[str, list[dict[str, Any]]] = {"moe": [], "dense": [], "dense_python_layers": [],
+                                                 "moe_python_layers": []}
         for _ in range(args.repeats):
             for name in runs:
                 runs[name].append(measure(paths[name.removesuffix("_python_layers")], BATCHES,
@@ -112,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, results in runs.items():
         report[name] = {k: max(r[k] for r in results) if k.endswith("_per_s") else results[0][k] for k in results[0]}
     print(f"\n{'decode tokens/s':16} {'MoE':>8} {'dense':>8} {'MoE/dense':>10} {'dense, Python layers':>21} "
-          f"{'MoE/that':>9}")
+          f"{'MoE/that':>9} {'MoE, Python layers':>19} {'native/Python':>14}")
     for b in BATCHES:
         key = f"batch{b}_decode_tokens_per_s"
         moe, dense, slow = report["moe"][key], report["dense"][key], report["dense_python_layers"][key]
+        moe_loop = report["moe_python_layers"][key]
         report[f"ratio_batch{b}"] = moe / dense
         report[f"ratio_batch{b}_python_layers"] = moe / slow
-        print(f"{'batch ' + str(b):16} {moe:8.1f} {dense:8.1f} {moe / dense:9.2f}x {slow:21.1f} {moe / slow:8.2f}x")
+        report[f"ratio_batch{b}_moe_native_to_python_layers"] = moe / moe_loop
+        print(f"{'batch ' + str(b):16} {moe:8.1f} {dense:8.1f} {moe / dense:9.2f}x {slow:21.1f} {moe / slow:8.2f}x "
+              f"{moe_loop:19.1f} {moe / moe_loop:13.2f}x")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0

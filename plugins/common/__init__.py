@@ -33,8 +33,9 @@ kind of thing:
   ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
   ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
 - ``loading``: ``checkpoint`` (``load_checkpoint``, ``build_model``: a ``.gguf`` file or a Hugging
-  Face directory), ``hf``, ``gguf`` and ``processor`` (``ProcessorFiles``: a checkpoint's image and
-  audio processor settings from either processor file, as transformers reads them);
+  Face directory), ``hf``, ``gguf``, ``memory`` (the file's map, read once; the fits-in-memory check)
+  and ``processor`` (``ProcessorFiles``: a checkpoint's image and audio processor settings from either
+  processor file, as transformers reads them);
 - ``quant``: ``linear`` (the GGUF-block linear layers), ``parts`` (``BlockParts``: a model built on
   them), ``blocks`` (their integer reference in torch), ``int4_torch`` (torch's packed int4
   fallback) and ``kernels`` (the native kernels; their C sources live in ``quant/csrc/``);
@@ -62,7 +63,8 @@ PUBLIC_MODULES = (
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
     "models.deepstack", "models.native_decoder", "models.parts", "models.tensor_parallel", "models.gemma4",
     "models.gpt_oss", "layers.moe", "layers.attention", "layers.mrope", "layers.triton_kernels",
-    "loading.checkpoint", "loading.hf", "loading.gguf", "loading.processor", "quant.linear", "quant.parts",
+    "loading.checkpoint", "loading.hf", "loading.gguf", "loading.memory", "loading.processor", "quant.linear",
+    "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
     "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",

@@ -91,9 +91,9 @@ def describe_model(model: TextModel, parts: ModelParts, *, has_lora: bool) -> Pr
     native = dict(is_native=True, argmax=parts.kernels.argmax)
     if has_lora:
         return PreparedModel(report.describe() + "; layers driven from Python (LoRA adapters)", **native)
-    if model.config.has_moe:
-        # the native decoder runs dense layer stacks only: each layer's forward runs from Python,
-        # its matmuls (every routed expert's included) and attention on the native kernels
+    if model.config.has_moe and not isinstance(model.layer_stack, NativeDecoder):
+        # experts the native decoder does not run (a type kept in torch, a split shared expert):
+        # each layer's forward runs from Python, its matmuls and attention on the native kernels
         log.info("mixture-of-experts layers: the layer loop runs in Python, not the native decoder; "
                  "matmuls and attention run on the native kernels")
         return PreparedModel(report.describe() + "; mixture-of-experts layers driven from Python", **native)

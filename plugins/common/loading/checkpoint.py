@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ifb_plugins.common.models.config import TextModelConfig
-from ifb_plugins.common.loading.gguf import read_gguf
+from ifb_plugins.common.loading.gguf import GGUFTensor, read_gguf_mapped
 from ifb_plugins.common.loading.hf import load_hf_dir
 from ifb_plugins.common.models.decoder import TextModel
 from ifb_plugins.common.models.parts import ModelParts
@@ -30,6 +30,8 @@ class LoadedCheckpoint:
     #: state-dict names left unread (``load_gguf(defer_quantized=True)``): fill what the model still
     #: needs with ``loading.gguf.materialize`` once it is built (its parts may have put them on blocks)
     deferred: frozenset[str] = frozenset()
+    #: a GGUF's tensors as stored, over the map the state dict was read from (``read_gguf_mapped``)
+    tensors: dict[str, GGUFTensor] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def load_checkpoint(path: str | Path, *, defer_quantized: bool = False) -> LoadedCheckpoint:
@@ -38,8 +40,9 @@ def load_checkpoint(path: str | Path, *, defer_quantized: bool = False) -> Loade
     ``defer_quantized`` (GGUF only): see ``gguf_loader.load_gguf``."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        config, state_dict, meta, deferred = read_gguf(path, defer_quantized=defer_quantized)
-        return LoadedCheckpoint(config, state_dict, TextTokenizer.from_gguf_metadata(meta), "gguf", path, deferred)
+        config, state_dict, meta, deferred, tensors = read_gguf_mapped(path, defer_quantized=defer_quantized)
+        return LoadedCheckpoint(config, state_dict, TextTokenizer.from_gguf_metadata(meta), "gguf", path, deferred,
+                                tensors)
     if path.is_dir():
         config, state_dict, tokenizer = load_hf_dir(path)
         return LoadedCheckpoint(config, state_dict, tokenizer, "hf", path)

@@ -12,6 +12,12 @@ Mixtures of experts: ``qwen3moe``, ``qwen2moe``, and ``llama`` with an
 ``ffn_gate_inp`` and Qwen2-MoE's shared expert ``ffn_*_shexp`` with its gate
 ``ffn_gate_inp_shexp`` (``[H]``). The float32 state dict holds them in
 ``moe.SparseMoE``'s layout; ``read_gguf_tensors`` keeps them stacked and stored.
+
+Memory: the file is mapped once (``memory.MappedFile``); ``read_gguf(defer_quantized=True)``
+dequantizes none of the matrices a quantized deployment multiplies in blocks (every routed
+expert's included): they stay in the map until ``quant.parts`` reads each into its block layout,
+once, and its pages are dropped. It first refuses a model that cannot fit (``memory.check_fits``:
+the tensors as they will run, ``run_bytes``, plus a stated overhead).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.layers.moe import fuse_expert_state
+from ifb_plugins.common.loading.memory import MappedFile, check_fits
 
 #: ``general.architecture`` values this loader understands.
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
@@ -72,12 +79,21 @@ class GGUFTensor:
 
     ``data`` is the file's array (memory-mapped, one row per output feature for
     matrices, so quantized blocks stay intact); Q/K rows are already un-permuted.
+    ``source`` (the file's map), ``offset`` and ``nbytes`` say where the data lies in the file.
     """
 
     gguf_name: str
     ggml_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray = attrs.field(eq=False)
+    source: MappedFile | None = attrs.field(default=None, eq=False, repr=False)
+    offset: int = 0
+    nbytes: int = 0
+
+    def release(self) -> None:
+        """The data was read into its run layout: count it on the load's progress and drop its pages."""
+        if self.source is not None:
+            self.source.release(self.offset, self.nbytes)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -167,9 +183,10 @@ def _moe_fields(arch: str, key: Any, tensor_names: set[str], num_layers: int) ->
 
 
 def _tensors_and_config(
-    reader: gguf.GGUFReader, meta: dict[str, Any]
+    reader: gguf.GGUFReader, meta: dict[str, Any], path: str | Path
 ) -> tuple[TextModelConfig, dict[str, GGUFTensor]]:
     names = {t.name for t in reader.tensors}
+    mapped = MappedFile(Path(path), reader.data, sum(int(t.n_bytes) for t in reader.tensors))
     config = _config_from_metadata(meta, names)
     permuted = meta.get("general.architecture") == "llama"
     out: dict[str, GGUFTensor] = {}
@@ -188,7 +205,8 @@ def _tensors_and_config(
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (the fastest dim) first
         if name.endswith(".shared_expert_gate.weight"):
             shape = (1, *shape)  # llama.cpp squeezes the [1, H] gate to [H]
-        out[name] = GGUFTensor(gguf_name=t.name, ggml_type=t.tensor_type, shape=shape, data=data)
+        out[name] = GGUFTensor(gguf_name=t.name, ggml_type=t.tensor_type, shape=shape, data=data, source=mapped,
+                               offset=int(t.data_offset), nbytes=int(t.n_bytes))
     if rope_freqs is not None:
         # llama3-style scaling is baked by the converter into per-frequency divisors.
         factors = tuple(rope_freqs.tolist())
@@ -196,14 +214,43 @@ def _tensors_and_config(
     return config, out
 
 
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+
+
 def deferred_names(tensors: dict[str, GGUFTensor]) -> list[str]:
     """The names ``load_gguf(defer_quantized=True)`` leaves unread: quantized 2-D projections and
-    embeddings of a dense model (a mixture of experts is read whole, as before)."""
-    if any(".experts." in name for name in tensors):
-        return []
-    dense = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-    return [name for name, t in tensors.items()
-            if t.ggml_type not in dense and len(t.shape) == 2 and _DEFERRABLE.fullmatch(name)]
+    embeddings, and the stacked experts of a layer whose gate, up and down are all quantized (as
+    the state dict names them: ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``)."""
+    out = [name for name, t in tensors.items()
+           if t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2 and _DEFERRABLE.fullmatch(name)]
+    for name in tensors:
+        if name.endswith(".mlp.experts.gate_proj.weight"):
+            stem = name.removesuffix(".gate_proj.weight")
+            parts = [tensors.get(f"{stem}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+            if all(p is not None and p.ggml_type not in _FLOAT_TYPES for p in parts):
+                out += [f"{stem}.gate_up_proj", f"{stem}.down_proj"]
+    return out
+
+
+#: bytes per 32 weights of each block type as the native kernels run it (``quant.kernels.kind_row_bytes``:
+#: Q5_0 and MXFP4 as Q8_0 blocks, Q5_K and Q5_1 as float32 scales and byte codes)
+RUN_BYTES_PER_32 = {
+    gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20, gguf.GGMLQuantizationType.Q8_0: 34,
+    gguf.GGMLQuantizationType.Q5_0: 34, gguf.GGMLQuantizationType.MXFP4: 34, gguf.GGMLQuantizationType.Q5_1: 40,
+    gguf.GGMLQuantizationType.Q4_K: 18.5, gguf.GGMLQuantizationType.Q5_K: 40, gguf.GGMLQuantizationType.Q6_K: 26.25,
+}
+
+
+def run_bytes(tensor: GGUFTensor, deferred: bool) -> int:
+    """The bytes ``tensor`` takes as the model runs: its blocks' run layout when it is deferred and
+    the kernels multiply its type, else float32 (a stacked expert tensor padded per expert, as each
+    expert's output columns go in groups of 16)."""
+    numel = int(np.prod(tensor.shape))
+    if not deferred or tensor.ggml_type not in RUN_BYTES_PER_32:
+        return 4 * numel
+    *lead, n, k = tensor.shape
+    experts = int(np.prod(lead)) if lead else 1
+    return int(experts * -(-n // 16) * 16 * k // 32 * RUN_BYTES_PER_32[tensor.ggml_type])
 
 
 def materialize(model: torch.nn.Module, path: str | Path, names: Iterable[str]) -> int:
@@ -213,17 +260,35 @@ def materialize(model: torch.nn.Module, path: str | Path, names: Iterable[str]) 
     if not wanted:
         return 0
     tensors = read_gguf_tensors(path)
-    state = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name in sorted(wanted):
-            state[name].copy_(dequantize(tensors[name]))
+    for name in sorted(wanted):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        values = _read_float32(tensors, name)
+        if isinstance(getattr(module, leaf), torch.nn.Parameter):
+            setattr(module, leaf, torch.nn.Parameter(values, requires_grad=False))
+        else:
+            module.register_buffer(leaf, values)
     return len(wanted)
+
+
+def _read_float32(tensors: dict[str, GGUFTensor], name: str) -> torch.Tensor:
+    """State-dict tensor ``name`` dequantized from ``tensors`` (stacked experts fused as ``SparseMoE``
+    holds them: gate rows, then up)."""
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        stem = name.removesuffix(".gate_up_proj")
+        return torch.cat([_read_float32(tensors, f"{stem}.{p}.weight") for p in ("gate_proj", "up_proj")], dim=1)
+    if name.endswith(".mlp.experts.down_proj"):
+        name += ".weight"
+    tensor = tensors[name]
+    values = dequantize(tensor)
+    tensor.release()
+    return values
 
 
 def read_gguf_tensors(path: str | Path) -> dict[str, GGUFTensor]:
     """The file's tensors, still quantized, keyed by HF name (Q/K rows un-permuted)."""
     reader = gguf.GGUFReader(str(path))
-    return _tensors_and_config(reader, read_metadata(reader))[1]
+    return _tensors_and_config(reader, read_metadata(reader), path)[1]
 
 
 def dequantize(tensor: GGUFTensor) -> torch.Tensor:
@@ -237,7 +302,7 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
 #: the matrices ``load_gguf(defer_quantized=True)`` leaves unread: those a quantized deployment
 #: multiplies (or looks up) in their blocks
 _DEFERRABLE = re.compile(r"model\.embed_tokens\.weight|lm_head\.weight|"
-                         r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+                         r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.)?(gate|up|down)_proj)\.weight")
 
 
 def load_gguf(path: str | Path, *, defer_quantized: bool = False
@@ -247,9 +312,9 @@ def load_gguf(path: str | Path, *, defer_quantized: bool = False
     The metadata dict holds every GGUF key (``tokenizer.ggml.*``,
     ``tokenizer.chat_template``, ...) for ``TextTokenizer.from_gguf_metadata``.
 
-    ``defer_quantized``: the quantized projection matrices and the embedding of a dense model come
-    back as uninitialised tensors of their shape (memory is reserved, never touched): a deployment
-    that moves them onto block matmuls never holds their float32 copies; ``deferred_names`` lists
+    ``defer_quantized``: the quantized projection matrices, the embedding and the stacked experts come
+    back as ``placeholder``s of their shape (no memory): a deployment that moves them onto block
+    matmuls never holds their float32 copies; ``deferred_names`` lists
     them, and ``materialize`` fills those it still needs in float32.
     """
     config, state_dict, meta, _ = read_gguf(path, defer_quantized=defer_quantized)
@@ -259,11 +324,57 @@ def load_gguf(path: str | Path, *, defer_quantized: bool = False
 def read_gguf(path: str | Path, *, defer_quantized: bool = False
               ) -> tuple[TextModelConfig, dict[str, torch.Tensor], dict[str, Any], frozenset[str]]:
     """``load_gguf``, and the names it left unread (empty without ``defer_quantized``)."""
+    return read_gguf_mapped(path, defer_quantized=defer_quantized)[:4]  # type: ignore[return-value]
+
+
+def read_gguf_mapped(path: str | Path, *, defer_quantized: bool = False) -> tuple[
+        TextModelConfig, dict[str, torch.Tensor], dict[str, Any], frozenset[str], dict[str, GGUFTensor]]:
+    """``read_gguf``, and the file's tensors as stored (``read_gguf_tensors``, over the same map:
+    the tensors read here and by ``quant.parts`` count on one progress bar).
+
+    Raises ``memory.InsufficientMemory`` before reading any tensor when the model cannot fit."""
+    path = Path(path)
     reader = gguf.GGUFReader(str(path))
     meta = read_metadata(reader)
-    config, tensors = _tensors_and_config(reader, meta)
+    config, tensors = _tensors_and_config(reader, meta, path)
     defer = frozenset(deferred_names(tensors) if defer_quantized else ())
-    state_dict = {name: torch.empty(t.shape) if name in defer else dequantize(t) for name, t in tensors.items()}
+
+    def is_deferred(name: str) -> bool:
+        return name in defer or _stacked_name(name) in defer
+
+    check_fits(path, path.stat().st_size, sum(run_bytes(t, is_deferred(n)) for n, t in tensors.items()))
+    state_dict = {}
+    for name, t in tensors.items():
+        if is_deferred(name):
+            # no memory at all: the parts read these tensors' blocks instead
+            stacked = _stacked_name(name)
+            if stacked.endswith(".gate_up_proj"):
+                if name.endswith(".gate_proj.weight"):
+                    e, n, k = t.shape
+                    state_dict[stacked] = placeholder((e, 2 * n, k))
+            elif stacked:
+                state_dict[stacked] = placeholder(t.shape)
+            else:
+                state_dict[name] = placeholder(t.shape)
+        else:
+            state_dict[name] = dequantize(t)
+            t.release()
     if config.num_experts:
         state_dict = fuse_expert_state(state_dict)
-    return config, state_dict, meta, defer
+    return config, state_dict, meta, defer, tensors
+
+
+def placeholder(shape: tuple[int, ...]) -> torch.Tensor:
+    """A deferred tensor's stand-in: ``shape`` float32 zeros over one element (no memory, not even
+    reserved: a file far larger than memory loads as long as its blocks fit); ``materialize``
+    replaces it, never writes into it."""
+    return torch.zeros((), dtype=torch.float32).expand(*shape)
+
+
+def _stacked_name(name: str) -> str:
+    """The fused state-dict name of a stacked expert tensor (``...mlp.experts.gate_up_proj`` for the
+    gate and up parts, ``...mlp.experts.down_proj``), or "" for any other tensor."""
+    for part, fused in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"), ("down_proj", "down_proj")):
+        if name.endswith(f".mlp.experts.{part}.weight"):
+            return name.removesuffix(f"{part}.weight") + fused
+    return ""

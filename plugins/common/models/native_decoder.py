@@ -12,8 +12,11 @@ It is one ``models.parts.LayerStack``, beside the layer loop
 (``TorchLayerStack``): ``quant.parts.BlockParts`` picks it as the model is built
 when the layers fit (``fits_native_decoder``): every projection on
 ``BlockLinear`` (Q, K and V fused, or, when their block types differ as in
-llama.cpp's ``Q4_K_M``, three parts written into the columns of one row), no
-mixture-of-experts layer; it reads the very modules the layer loop would run.
+llama.cpp's ``Q4_K_M``, three parts written into the columns of one row), and a
+mixture-of-experts layer (``moe.SparseMoE``) with every routed expert on ``BlockLinear``
+(``ExpertModules``) and its shared expert's gate/up fused: the routing (top-k, renormalization,
+the shared expert's gate) and the experts' block matmuls, rows grouped per expert across the
+batch, run in ``csrc/decoder_moe.h``. It reads the very modules the layer loop would run.
 Its weights are bound at the first step (after ``build_model`` loaded them):
 float32 norms, and (checked per step) contiguous float32 or float16 KV caches.
 
@@ -34,6 +37,7 @@ from torch import nn
 
 from ifb_plugins.common.layers.attention import AttnMetadata
 from ifb_plugins.common.models.config import TextModelConfig
+from ifb_plugins.common.layers.moe import ExpertModules, SharedExpert, SparseMoE
 from ifb_plugins.common.models.decoder import MLP, Attention, DecoderLayer
 from ifb_plugins.common.quant.kernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata, sources
 from ifb_plugins.common.quant.linear import BlockLinear
@@ -144,17 +148,37 @@ def _qkv_parts(attn: nn.Module) -> tuple[nn.Module | None, ...]:
     return tuple(getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj"))
 
 
+#: ``TextModelConfig.router`` values the C code routes, by its ``router_kind``
+ROUTER_KINDS = {"softmax_topk": 0, "topk_softmax": 1}
+
+
+def _mlp_modules(mlp: nn.Module) -> tuple[nn.Module | None, ...] | None:
+    """The projections of an MLP the native decoder runs (all must be ``BlockLinear``), or None
+    for an MLP it does not compute."""
+    if type(mlp) is MLP:
+        return getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if type(mlp) is not SparseMoE or type(mlp.experts) is not ExpertModules or mlp.router not in ROUTER_KINDS:
+        return None
+    if mlp.gate.weight.dtype != torch.float32:
+        return None
+    modules = (*mlp.experts.gate_up, *mlp.experts.down)
+    if mlp.shared_expert is not None:
+        if type(mlp.shared_expert) is not SharedExpert:
+            return None
+        modules += (mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj)
+    return modules
+
+
 def fits_native_decoder(layers: Sequence[nn.Module], config: TextModelConfig) -> bool:
     """Whether ``NativeDecoder`` computes what ``layers`` compute: ``decoder.DecoderLayer``'s own
-    attention and MLP (a subclass may compute something else; a mixture-of-experts layer,
-    ``moe.SparseMoE``, runs layer by layer) with every projection a ``BlockLinear``."""
+    attention and MLP or ``moe.SparseMoE`` (a subclass may compute something else) with every
+    projection a ``BlockLinear``."""
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer), type(attn), type(mlp)) != (DecoderLayer, Attention, MLP):
+        attn = layer.self_attn
+        if (type(layer), type(attn)) != (DecoderLayer, Attention):
             return False
-        modules = (*_qkv_parts(attn), attn.o_proj, getattr(mlp, "gate_up_proj", None),
-                   getattr(mlp, "down_proj", None))
-        if not all(isinstance(m, BlockLinear) for m in modules):
+        mlp = _mlp_modules(layer.mlp)
+        if mlp is None or not all(isinstance(m, BlockLinear) for m in (*_qkv_parts(attn), attn.o_proj, *mlp)):
             return False
     return bool(layers)
 
@@ -172,6 +196,7 @@ class NativeDecoder:
         self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]
         self._forward.restype = ctypes.c_int
         self._decoder: object | None = None  # bound at the first step, once the weights are loaded
+        self._keep: list[object] = []  # what the structs point into beyond the modules' own tensors
         self._caches: tuple[tuple[int, ...], object, object, int] | None = None
 
     def _bind(self) -> object:
@@ -191,11 +216,30 @@ class NativeDecoder:
                 attn.q_norm.weight.data_ptr() if c.qk_norm else None,
                 attn.k_norm.weight.data_ptr() if c.qk_norm else None,
                 *(list(map(_weight, _qkv_parts(attn))) + [_NO_ROWS, _NO_ROWS])[:3],
-                _weight(attn.o_proj), _weight(mlp.gate_up_proj), _weight(mlp.down_proj)))
+                _weight(attn.o_proj), *self._mlp_fields(mlp)))
         self._layers = (_Layer * len(layers))(*layers)
         self._decoder = _Decoder(len(layers), c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                                  c.head_dim, c.rms_norm_eps, self._layers)
         return self._decoder
+
+    def _mlp_fields(self, mlp: nn.Module) -> list[object]:
+        """The layer struct's MLP fields: a dense MLP's gate/up and down, or a mixture of experts'
+        routing, experts (arrays kept alive here) and shared expert."""
+        if isinstance(mlp, MLP):
+            return [_weight(mlp.gate_up_proj), _weight(mlp.down_proj), 0, 0, 0, 0, 0, None, None, None,
+                    _NO_ROWS, _NO_ROWS, None]
+        experts = mlp.experts
+        gate_up = (_Weight * experts.num_experts)(*map(_weight, experts.gate_up))
+        down = (_Weight * experts.num_experts)(*map(_weight, experts.down))
+        router = mlp.gate.weight.detach().contiguous()
+        shared, gate = mlp.shared_expert, None
+        if shared is not None:
+            gate = mlp.shared_expert_gate.weight.detach().float().contiguous()
+        self._keep += [gate_up, down, router, gate]
+        return [_NO_ROWS, _NO_ROWS, experts.num_experts, mlp.top_k, ROUTER_KINDS[mlp.router], int(mlp.normalize),
+                experts.down[0].in_features, router.data_ptr(), gate_up, down,
+                _weight(shared.gate_up_proj) if shared is not None else _NO_ROWS,
+                _weight(shared.down_proj) if shared is not None else _NO_ROWS, _ptr_of(gate)]
 
     def __repr__(self) -> str:
         return f"NativeDecoder({len(self.layers)} layers)"
@@ -237,8 +281,11 @@ class NativeDecoder:
         out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
         step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
                      lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half)
-        if self._forward(ctypes.byref(decoder), ctypes.byref(step), out.data_ptr()) != 0:
+        status = self._forward(ctypes.byref(decoder), ctypes.byref(step), out.data_ptr())
+        if status == -1:
             raise MemoryError("the native decoder could not allocate its work buffers")
+        if status != 0:
+            raise RuntimeError(f"the native decoder's block matmuls refused their weights (status {status})")
         del keep
         return out
 

@@ -10,7 +10,10 @@ float32 minimum per 32 weights:
 - Q4_K / Q5_K (super-blocks of 256): ``code = q``, ``scale = d * sc_j``,
   ``min = -dmin * m_j`` (6-bit ``sc_j``, ``m_j`` per 32);
 - Q6_K (super-blocks of 256): ``code = q - 32``, ``scale = d * sc_j`` (int8
-  ``sc_j`` per 16).
+  ``sc_j`` per 16);
+- MXFP4 (gpt-oss's experts): ``code`` the doubled e2m1 value of each 4-bit index
+  (``gguf.quants.MXFP4.kvalues``, -12..12), ``scale = 2^(e - 128)`` (the block's
+  8-bit exponent ``e``, as ggml's ``e8m0_to_fp32_half``).
 
 ``block_matmul`` is the reference of the native kernels' integer scheme
 (``csrc/matmul_int.h``): each input row is quantized per 32-block to codes
@@ -35,7 +38,10 @@ Q = gguf.GGMLQuantizationType
 #: activation codes per 32-block: the largest code (``qkernels.ACTIVATIONS``)
 LEVELS = {"int16": 32512.0, "int8": 127.0}
 #: weights per sub-block (one scale) of each type read as stored
-SUBBLOCK = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16}
+SUBBLOCK = {Q.Q4_0: 32, Q.Q4_1: 32, Q.Q8_0: 32, Q.Q5_0: 32, Q.Q5_1: 32, Q.Q4_K: 32, Q.Q5_K: 32, Q.Q6_K: 16,
+            Q.MXFP4: 32}
+#: MXFP4's e2m1 values doubled, by 4-bit index
+MXFP4_VALUES = torch.tensor(gguf.quants.MXFP4.kvalues, dtype=torch.int8)
 #: weights per block as GGUF stores them, and bytes per block
 BLOCK_WEIGHTS = {t: gguf.GGML_QUANT_SIZES[t][0] for t in SUBBLOCK}
 BLOCK_BYTES = {t: gguf.GGML_QUANT_SIZES[t][1] for t in SUBBLOCK}
@@ -89,6 +95,13 @@ def _k_scales(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """8-bit exponents (uint8) as float32 ``2^(e - 128)``, exactly (ggml's ``e8m0_to_fp32_half``)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def decode(qtype: Q, blocks: torch.Tensor) -> BlockCodes:
     """GGUF rows ``[N, row bytes]`` (uint8) of ``qtype`` as ``BlockCodes``."""
     if qtype not in SUBBLOCK:
@@ -108,6 +121,9 @@ def decode(qtype: Q, blocks: torch.Tensor) -> BlockCodes:
         else:  # Q5: 32 high bits (a little-endian word), then 16 bytes of low nibbles
             high = _bits(b[..., head:head + 4], 32)
             codes = (_nibbles(b[..., head + 4:]) | (high << 4)).to(torch.int8) - (16 if qtype == Q.Q5_0 else 0)
+    elif qtype == Q.MXFP4:  # one exponent byte, then 16 bytes: weights i (low nibble) and i + 16 (high)
+        scales = e8m0_half(b[..., 0])
+        codes = MXFP4_VALUES[_nibbles(b[..., 1:]).long()]
     elif qtype in (Q.Q4_K, Q.Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])

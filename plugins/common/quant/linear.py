@@ -32,7 +32,8 @@ tensor on its own type's path.
 
 Mixture-of-experts layers: each routed expert's gate/up and down become block
 matmuls of their own (``moe.ExpertModules``), cut from llama.cpp's stacked
-``ffn_*_exps`` tensors per expert, blocks untouched; ``moe.SparseMoE`` gathers
+``ffn_*_exps`` tensors per expert, blocks untouched, of every type above and MXFP4
+(gpt-oss's experts, rewritten exactly as Q8_0 blocks by ``mxfp4_as_q8_0``); ``moe.SparseMoE`` gathers
 the rows routed to an expert and multiplies them in one call. The router stays
 in float32.
 
@@ -46,7 +47,7 @@ other rows in the call, so batched greedy output stays identical to solo output.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Literal
+from typing import Iterable, Iterator, Literal
 
 import attrs
 import gguf
@@ -75,13 +76,16 @@ _CODE_BYTES = {0: 16, 1: 16, 3: 16, 4: 24}
 #: K6's weight i = 16h + 4u + j: its top 2 bits are bits 2u of byte j of plane h
 _K6_PLANE_BYTE = (torch.arange(32) // 16 * 4 + torch.arange(32) % 4)
 _K6_PLANE_SHIFT = (torch.arange(32) % 16 // 4 * 2).to(torch.int16)
-#: the stacked expert tensors' types put on block matmuls (K-quant experts stay float32: untested)
-EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+#: the stacked expert tensors' types put on block matmuls: every type read as stored (Q5_0 and MXFP4
+#: rewritten as Q8_0 blocks for the interleaved kernels, ``native_form``)
+EXPERT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.MXFP4)
 #: every block type read as stored (the rest are dequantized to float32 at load)
 STORED = tuple(quant_blocks.SUBBLOCK)
 BLOCK_BYTES = dict(quant_blocks.BLOCK_BYTES)
 #: bits per weight code
-BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
+BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8, Q.MXFP4: 4}
+#: the MXFP4 exponents whose scale ``2^(e - 128)`` a float16 holds exactly (2^-24 .. 2^15)
+MXFP4_HALF_EXPONENTS = range(104, 144)
 
 Backend = Literal["native", "torch-int4"]
 
@@ -136,6 +140,7 @@ def read_blocks(tensor: GGUFTensor, types: Iterable[gguf.GGMLQuantizationType] =
         return None
     n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(n, -1).copy()  # off the file's read-only map
+    tensor.release()
     return BlockWeight(tensor.ggml_type, torch.from_numpy(data), k)
 
 
@@ -144,9 +149,57 @@ def read_expert_blocks(tensor: GGUFTensor) -> list[BlockWeight] | None:
     (its rows as stored); None for types the kernels do not read."""
     if tensor.ggml_type not in EXPERT_TYPES or len(tensor.shape) != 3:
         return None
+    experts = list(iter_expert_blocks(tensor))
+    tensor.release()
+    return experts
+
+
+def iter_expert_blocks(tensor: GGUFTensor) -> Iterator[BlockWeight]:
+    """``read_expert_blocks``, one expert at a time (its rows copied off the map as it is taken): a
+    load holds one expert's copy at a time; the caller releases the tensor once it is read."""
     e, n, k = tensor.shape
     data = np.ascontiguousarray(tensor.data).reshape(e, n, -1)
-    return [BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k) for i in range(e)]
+    for i in range(e):
+        yield BlockWeight(tensor.ggml_type, torch.from_numpy(data[i].copy()), k)
+
+
+def mxfp4_as_q8_0(weight: BlockWeight) -> BlockWeight:
+    """An MXFP4 matrix as the same weights in Q8_0 blocks: each block's doubled e2m1 values
+    (-12..12) as int8 codes and its scale ``2^(e - 128)`` as the float16 ``d`` (exact), so the
+    interleaved Q8_0 kernels multiply it with the bits of ``quant_blocks``' MXFP4 reference.
+
+    Raises ``ValueError`` when a block with a nonzero weight has a scale no float16 holds (outside
+    2^-24 .. 2^15: ``MXFP4_HALF_EXPONENTS``); such a matrix stays on the torch reference."""
+    if weight.qtype != Q.MXFP4:
+        raise ValueError(f"expected MXFP4 blocks, got {weight.qtype.name}")
+    n, k = weight.shape
+    raw = weight.blocks.numpy().reshape(n, k // BLOCK, 17)
+    nibbles = raw[..., 1:]
+    index = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)  # weights 0..15, then 16..31
+    codes = np.asarray(gguf.quants.MXFP4.kvalues, dtype=np.int8)[index]
+    exponent = raw[..., 0].astype(np.int32)
+    used = (codes != 0).any(-1)
+    outside = used & ((exponent < MXFP4_HALF_EXPONENTS.start) | (exponent >= MXFP4_HALF_EXPONENTS.stop))
+    if outside.any():
+        raise ValueError(f"{int(outside.sum())} MXFP4 blocks have scales no float16 holds")
+    d = np.where(used, np.ldexp(np.float32(1.0), exponent - 128), 0.0).astype(np.float16)
+    out = np.empty((n, k // BLOCK, 34), np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8)
+    out[..., 2:] = codes.view(np.uint8)
+    return BlockWeight(Q.Q8_0, torch.from_numpy(out.reshape(n, -1)), k)
+
+
+def native_form(weight: BlockWeight, *, integer_activations: bool) -> BlockWeight:
+    """``weight`` in the block type the interleaved kernels take for it: Q5_0 (with integer
+    activations) and MXFP4 rewritten as Q8_0 blocks (exact), the rest as they are."""
+    if weight.qtype == Q.Q5_0 and integer_activations:
+        return q5_0_as_q8_0(weight)
+    if weight.qtype == Q.MXFP4:
+        try:
+            return mxfp4_as_q8_0(weight)
+        except ValueError as exc:
+            log.warning("%s: kept on the torch path", exc)
+    return weight
 
 
 def q5_0_as_q8_0(weight: BlockWeight) -> BlockWeight:

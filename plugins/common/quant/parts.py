@@ -38,7 +38,7 @@ from ifb_plugins.common.models.parts import LayerStack, ModelParts
 from ifb_plugins.common.quant import int4_torch as quant_torch, kernels as qkernels
 from ifb_plugins.common.quant.linear import (
     EXPERT_TYPES, KINDS, STORED, Backend, BlockEmbedding, BlockLinear, BlockWeight, HeadEmbedding,
-    QuantizationReport, StoredBlockLinear, choose_backend, concat, q5_0_as_q8_0, read_blocks, read_expert_blocks,
+    QuantizationReport, StoredBlockLinear, choose_backend, concat, iter_expert_blocks, native_form, read_blocks,
 )
 
 Q = gguf.GGMLQuantizationType
@@ -90,7 +90,8 @@ class BlockParts(ModelParts):
         """The parts of a loaded GGUF checkpoint (``loading.checkpoint.LoadedCheckpoint``)."""
         from ifb_plugins.common.loading.gguf import read_gguf_tensors
 
-        return cls(loaded.config, read_gguf_tensors(loaded.path), loaded.state_dict, backend,  # type: ignore[attr-defined]
+        raw = loaded.tensors or read_gguf_tensors(loaded.path)  # type: ignore[attr-defined]
+        return cls(loaded.config, raw, loaded.state_dict, backend,  # type: ignore[attr-defined]
                    deferred=loaded.deferred, **options)  # type: ignore[attr-defined, arg-type]
 
     # --- which tensors go onto blocks ----------------------------------------------------------
@@ -102,7 +103,7 @@ class BlockParts(ModelParts):
             return None
         if self.backend == "torch-int4" and tensor.ggml_type == Q.Q8_0:
             return None  # no int4 kernel for it, and torch's integer path would be slower than float32
-        if tensor.ggml_type == Q.Q5_0 and self.native_kquants:
+        if (tensor.ggml_type == Q.Q5_0 and self.native_kquants) or (tensor.ggml_type == Q.MXFP4 and self.kernels is not None):
             return Q.Q8_0  # exact: the interleaved Q8_0 kernels, and fused with Q8_0 parts
         return tensor.ggml_type
 
@@ -137,8 +138,11 @@ class BlockParts(ModelParts):
     def _weight(self, name: str) -> BlockWeight | None:
         if self._block_type(name) is None:
             return None
-        block = read_blocks(self.raw[f"{name}.weight"], STORED)
-        return q5_0_as_q8_0(block) if block.qtype == Q.Q5_0 and self.native_kquants else block
+        return self._native_form(read_blocks(self.raw[f"{name}.weight"], STORED))
+
+    def _native_form(self, weight: BlockWeight) -> BlockWeight:
+        """``weight`` as the native kernels take it (``linear.native_form``), unchanged without them."""
+        return weight if self.kernels is None else native_form(weight, integer_activations=self.native_kquants)
 
     def _module(self, weight: BlockWeight, bias: torch.Tensor | None, num_parts: int = 1) -> nn.Module:
         """The block matmul for ``weight`` on this backend (built on the host, whatever device the model is
@@ -264,11 +268,16 @@ class BlockParts(ModelParts):
         if self.backend is None or self._expert_types(name) is None:
             self.num_kept += 3 if self.backend is not None else 0
             return super().experts(name, config)
-        gate, up, down = (read_expert_blocks(self.raw[f"{name}.{p}.weight"]) for p in ("gate_proj", "up_proj", "down_proj"))
+        # one expert's rows off the map at a time, each read once into its run layout
+        tensors = [self.raw[f"{name}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down = map(iter_expert_blocks, tensors)
         self.consumed.update((f"{name}.gate_up_proj", f"{name}.down_proj"))
         self.num_quantized += 3
-        return ExpertModules([self._module(concat([g, u]), None) for g, u in zip(gate, up)],  # type: ignore[arg-type]
-                             [self._module(d, None) for d in down])  # type: ignore[union-attr]
+        gate_up = [self._module(self._native_form(concat([g, u])), None) for g, u in zip(gate, up)]
+        experts = ExpertModules(gate_up, [self._module(self._native_form(d), None) for d in down])
+        for tensor in tensors:
+            tensor.release()
+        return experts
 
     def layer_stack(self, layers: nn.ModuleList, config: TextModelConfig) -> LayerStack:
         if self.stack_choice == "auto" and self.kernels is not None and fits_native_decoder(layers, config):

@@ -40,7 +40,8 @@ def test_the_mirror_is_built_from_the_header() -> None:
     assert list(layout) == ["weight_t", "layer_t", "decoder_t", "step_t"]
     assert [f for _, f in layout["weight_t"]] == ["kind", "passes", "blocks", "bias", "n", "k"]
     assert STRUCTS["layer_t"].qkv.offset == 4 * ctypes.sizeof(ctypes.c_void_p)
-    assert ctypes.sizeof(STRUCTS["layer_t"]) == 4 * 8 + 6 * ctypes.sizeof(STRUCTS["weight_t"])  # qkv in up to 3 parts
+    # norms, qkv in up to 3 parts, o, a dense MLP's 2; a mixture of experts' 5 numbers, 4 pointers, shared expert's 2
+    assert ctypes.sizeof(STRUCTS["layer_t"]) == 4 * 8 + 6 * ctypes.sizeof(STRUCTS["weight_t"]) + 9 * 8 + 2 * ctypes.sizeof(STRUCTS["weight_t"])
 
 
 @needs_kernels

@@ -114,6 +114,8 @@ static void rope_store_rows(const void *arg, long r0, long r1) {
     }
 }
 
+#include "decoder_moe.h" /* moe_rows */
+
 static void silu_of_rows(const void *arg, long r0, long r1) {
     const rows_t *a = (const rows_t *)arg;
     long inter = a->m->intermediate;
@@ -154,9 +156,13 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
         rows.delta = delta;
         rows.norm = L->mlp_norm;
         run_elementwise(add_norm_rows, &rows, t, t * hidden);
-        if ((status = matmul_rows(&L->gate_up, h, t, gu)) != 0) break;
-        run_elementwise(silu_of_rows, &rows, t, t * 2 * inter);
-        if ((status = matmul_rows(&L->down, act, t, delta)) != 0) break;
+        if (L->num_experts > 0) {
+            if ((status = moe_rows(m, L, h, t, delta)) != 0) break;
+        } else {
+            if ((status = matmul_rows(&L->gate_up, h, t, gu)) != 0) break;
+            run_elementwise(silu_of_rows, &rows, t, t * 2 * inter);
+            if ((status = matmul_rows(&L->down, act, t, delta)) != 0) break;
+        }
         if (l == m->num_layers - 1)
             for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];
     }

@@ -25,8 +25,19 @@
     F(weight_t, k_rows)             /* n = 0 when qkv holds them */                         \
     F(weight_t, v_rows)                                                                     \
     F(weight_t, o)                                                                          \
-    F(weight_t, gate_up)            /* gate | up rows */                                    \
-    F(weight_t, down)
+    F(weight_t, gate_up)            /* gate | up rows (a dense MLP) */                      \
+    F(weight_t, down)                                                                       \
+    F(long, num_experts)            /* 0: the dense MLP above; else a mixture of experts */ \
+    F(long, top_k)                                                                          \
+    F(long, router_kind)            /* 0: softmax, top k (renormalized: norm_topk); 1: top k, softmax */ \
+    F(long, norm_topk)                                                                      \
+    F(long, expert_inter)           /* an expert's intermediate size */                     \
+    F(const float *, router)        /* [num_experts, hidden] */                             \
+    F(const weight_t *, experts_gate_up) /* [num_experts]: gate | up rows */                \
+    F(const weight_t *, experts_down) /* [num_experts] */                                   \
+    F(weight_t, shared_gate_up)     /* n = 0: no shared expert */                           \
+    F(weight_t, shared_down)                                                                \
+    F(const float *, shared_gate)   /* [hidden]: the shared expert's gate logit */
 
 #define IFB_DECODER_FIELDS(F)                                                               \
     F(long, num_layers)                                                                     \
