@@ -73,6 +73,7 @@ def load(config: DeployConfig):
     from pathlib import Path
 
     from ifb_plugins.common.runtime.lora import lora_set
+    from ifb_plugins.common.runtime.placement import device_of, float32_only
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
 
@@ -80,7 +81,9 @@ def load(config: DeployConfig):
     if not config.model:
         raise ValueError("the vlm plugin has no default model: pass a multimodal checkpoint directory")
     path = Path(config.model).expanduser()
-    loaded = load_vlm(path)
+    # the towers and the decoder are built in float32 (tests/plugins/vlm), on the deployment's device
+    float32_only(config, "the vlm deployment")
+    loaded = load_vlm(path, device_of(config))
     name = config.options.get("served_model_name") or path.name
     lora = lora_set(loaded.text_model, config)
     ratio = pruner_ratio(config)
