@@ -99,15 +99,30 @@ def compare_attention(device: str) -> dict[str, float]:
     return results
 
 
-def compare_model_route(model_dir: str) -> dict[str, float]:
-    """A tiny transformers checkpoint built on ``DeviceParts`` (the CUDA route: Triton attention)
-    against the torch parts, one ragged step of two prompts and a decode token."""
-    from ifb_plugins.common.layers.attention import build_attn_metadata
+def compare_model_route(model_dir: str, gguf_path: str) -> dict[str, float]:
+    """The models a CUDA deployment builds (``text.build.build_device_model``: ``DeviceParts``), here on
+    the CPU under the interpreter, against the torch parts over one ragged step of two prompts and a
+    decode token: a transformers checkpoint (Triton attention) and its llama.cpp Q8_0 file (Triton
+    attention and block matmuls, against the same file dequantized to float32)."""
     from ifb_plugins.common.loading.checkpoint import build_model, load_checkpoint
-    from ifb_plugins.common.quant.triton_parts import DeviceParts
+    from ifb_plugins.text.build import build_device_model
 
+    cpu = torch.device("cpu")
+    found = {}
     loaded = load_checkpoint(Path(model_dir))
-    reference, routed = build_model(loaded), build_model(loaded, parts=DeviceParts.for_checkpoint(loaded))
+    routed, _ = build_device_model(loaded, "auto", cpu, torch.float32)
+    found["qwen2-step"] = _step_difference(build_model(loaded), routed) / 1e-4
+    reference = build_model(load_checkpoint(Path(gguf_path), defer_quantized=False))
+    routed, prepared = build_device_model(load_checkpoint(Path(gguf_path), defer_quantized=True), "auto", cpu,
+                                          torch.float32)
+    assert prepared.description.startswith("14 projections on GGUF blocks (Triton), 0 in float32"), prepared.description
+    found["llama-q8_0-step"] = _step_difference(reference, routed) / 1e-4
+    return found
+
+
+def _step_difference(reference, routed) -> float:
+    from ifb_plugins.common.layers.attention import build_attn_metadata
+
     out = {}
     for name, model in (("torch", reference), ("triton", routed)):
         caches = [(torch.zeros(8, 16, model.config.num_kv_heads, model.config.head_dim),) * 2
@@ -118,17 +133,22 @@ def compare_model_route(model_dir: str) -> dict[str, float]:
         positions = torch.tensor([*range(9), *range(20), 0])
         with torch.no_grad():
             out[name] = model.compute_logits(model(ids, positions, attn, caches))
-    return {"qwen2-step": (out["triton"] - out["torch"]).abs().max().item() / 1e-4}
+    return (out["triton"] - out["torch"]).abs().max().item()
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, float]:
     pytest.importorskip("triton")
+    from tests.models import llama_cpp
     from tests.models.converted import save_tiny_dense
 
-    model_dir = save_tiny_dense(tmp_path_factory.mktemp("qwen2") / "qwen2", "qwen2", seed=4)
+    root = tmp_path_factory.mktemp("route")
+    model_dir = save_tiny_dense(root / "qwen2", "qwen2", seed=4)
+    llama_dir = save_tiny_dense(root / "llama", "llama", seed=3)
+    llama_cpp.convert([(llama_dir, root / "llama-q8_0.gguf", "q8_0")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, __file__, str(model_dir)], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(root / "llama-q8_0.gguf")],
+                          capture_output=True, text=True, env=env,
                           timeout=600, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -144,9 +164,10 @@ def test_paged_attention_equals_the_torch_paths(interpreted: dict[str, float], c
     assert interpreted[case] < 1.0, f"{case}: {interpreted[case]:.3g} of the bound"
 
 
-def test_a_model_built_for_cuda_routes_attention_to_triton(interpreted: dict[str, float]) -> None:
-    # first-step logits of the Triton-attention model equal the torch-parts model's to 1e-4
-    assert interpreted["qwen2-step"] < 1.0
+@pytest.mark.parametrize("case", ["qwen2-step", "llama-q8_0-step"])
+def test_a_model_built_for_cuda_routes_to_the_triton_kernels(interpreted: dict[str, float], case: str) -> None:
+    # first-step logits of the model built on DeviceParts equal the torch-parts model's to 1e-4
+    assert interpreted[case] < 1.0, f"{case}: {interpreted[case]:.3g} of the bound"
 
 
 def test_corrupt_blocks_are_caught() -> None:
@@ -173,5 +194,5 @@ def test_unsupported_types_and_shapes_are_refused() -> None:
 
 if __name__ == "__main__":  # the interpreter run (see the module docstring)
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-    found = {**compare_matmuls("cpu"), **compare_attention("cpu"), **compare_model_route(sys.argv[1])}
+    found = {**compare_matmuls("cpu"), **compare_attention("cpu"), **compare_model_route(*sys.argv[1:3])}
     print(json.dumps(found))
