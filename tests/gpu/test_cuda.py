@@ -41,8 +41,9 @@ def greedy(path, prompts=PROMPTS, **settings) -> list[list[int]]:
                 for p in prompts]
 
 
-def test_compiled_kernels_equal_their_references() -> None:
-    results = {**compare_matmuls("cuda"), **compare_attention("cuda")}
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_compiled_kernels_equal_their_references(half: torch.dtype) -> None:
+    results = {**compare_matmuls("cuda", half), **compare_attention("cuda", half)}
     expected = {f"{q}-{s}" for q in QTYPES for s in MATMUL_SHAPES} | set(ATTENTION_CASES)
     assert set(results) == expected
     assert {k: v for k, v in results.items() if not v < 1.0} == {}

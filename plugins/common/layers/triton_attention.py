@@ -19,6 +19,7 @@ it on CPU tensors.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -41,7 +42,7 @@ if HAS_TRITON:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
         qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_Q: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_Q: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IS_FP32: tl.constexpr,
     ):
         tile = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -58,9 +59,8 @@ if HAS_TRITON:
         dims = tl.arange(0, DIM_PAD)
         dim_ok = dims < HEAD_DIM
         tokens = (first + rows).to(tl.int64)
-        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-        q = q * qk_scale  # qk_scale folds in log2(e): the softmax runs on exp2
+        q_raw = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                        mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
         if HAS_SINKS:  # the sink is one more logit, worth nothing: start the running sum at it
             sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
@@ -81,9 +81,13 @@ if HAS_TRITON:
             block = tl.load(tables_ptr + seq * stride_tb + j).to(tl.int64)
             kpos = j * BLOCK_SIZE + slots
             kv_mask = (kpos < ctx)[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + block * stride_kb + kv_in_block, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + block * stride_kb + kv_in_block, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BQ, BS]
+            k = tl.load(k_ptr + block * stride_kb + kv_in_block, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + block * stride_kb + kv_in_block, mask=kv_mask, other=0.0)
+            if IS_FP32:  # float32 products in float32 (no TF32), as the torch path computes them
+                s = tl.dot(q_raw.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:  # 16-bit queries and keys on the tensor cores, accumulated in float32
+                s = tl.dot(q_raw, tl.trans(k.to(q_raw.dtype)))
+            s = s * qk_scale  # [BQ, BS]; qk_scale folds in log2(e): the softmax runs on exp2
             visible = (kpos[None, :] <= qpos[:, None]) & (kpos < ctx)[None, :]
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] > qpos[:, None] - window)
@@ -93,7 +97,10 @@ if HAS_TRITON:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if IS_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q_raw.dtype), v.to(q_raw.dtype))
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -109,6 +116,21 @@ def query_tiles(query_lens: tuple[int, ...]) -> tuple[list[int], list[int]]:
             seqs.append(b)
             starts.append(q0)
     return seqs, starts
+
+
+#: each step's tile tensors, made once and read by every layer (the metadata lives one step)
+_TILES: weakref.WeakKeyDictionary[AttnMetadata, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
+
+
+def _step_tiles(attn: AttnMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
+    tiles = _TILES.get(attn)
+    if tiles is None or tiles[0].device != device:
+        seqs, starts = query_tiles(attn.query_lens_host)
+        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+        tiles = (as_int32(seqs), as_int32(starts), attn.query_start_loc.to(device=device, dtype=torch.int32),
+                 as_int32(attn.query_lens_host), as_int32(attn.seq_lens_host), attn.block_tables.to(device).contiguous())
+        _TILES[attn] = tiles
+    return tiles
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata, *,
@@ -132,16 +154,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    device = q.device
-    seqs, starts = query_tiles(attn.query_lens_host)
-    tile_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
-    tile_q0 = torch.tensor(starts, dtype=torch.int32, device=device)
-    q_lens = torch.tensor(attn.query_lens_host, dtype=torch.int32, device=device)
-    seq_lens = torch.tensor(attn.seq_lens_host, dtype=torch.int32, device=device)
-    q_start = attn.query_start_loc.to(torch.int32)
-    tables = attn.block_tables.contiguous()
+    tiles = _step_tiles(attn, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    _paged_attention_kernel[(len(seqs), num_heads)](
+    tile_seq, tile_q0, q_start, q_lens, seq_lens, tables = tiles
+    _paged_attention_kernel[(tile_seq.shape[0], num_heads)](
         q, k_cache, v_cache, out, tables, sinks if sinks is not None else q, tile_seq, tile_q0, q_start, q_lens,
         seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -149,6 +165,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         float(scale) * math.log2(math.e), int(window or 0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=BLOCK_Q, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+        IS_FP32=q.dtype == torch.float32,
     )  # fmt: skip
     return out
 

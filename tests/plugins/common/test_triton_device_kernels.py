@@ -7,8 +7,10 @@ as a script (tiny shapes: the interpreter is slow); each case is asserted here. 
 comparisons run compiled on a CUDA device in the ``gpu`` suite (tests/gpu).
 
 Bounds: a block matmul equals ``gguf.quants.dequantize(blocks) @ x`` (float64) to within
-``2**-16`` of ``|x| @ |W|.T`` elementwise (float32 summation in another order); attention equals
-the torch path to 1e-5 (float32, values of order 1).
+``2**-16`` of ``|x| @ |W|.T`` elementwise (float32 summation in another order; ``2**-7`` with
+16-bit activations); attention equals the torch path to 1e-5 (float32, values of order 1; 3e-2
+with 16-bit inputs, against the float32 path on the same rounded inputs). The 16-bit cases run in
+float16 under the interpreter (its ``tl.dot`` mishandles bfloat16) and in both on a GPU.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ import torch
 Q = gguf.GGMLQuantizationType
 QTYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
 #: (rows of activations, output rows, input width, with a bias)
-MATMUL_SHAPES = {"decode": (1, 40, 512, False), "prefill-bias": (20, 24, 256, True)}
-ATTENTION_CASES = ("plain", "window", "sinks", "window-sinks", "gemma-window")
+MATMUL_SHAPES = {"decode": (1, 40, 512, False), "prefill-bias": (20, 24, 256, True), "half": (3, 32, 256, False)}
+ATTENTION_CASES = ("plain", "window", "sinks", "window-sinks", "gemma-window", "half-window-sinks")
 MATMUL_BOUND = 2.0 ** -16
 ATTENTION_BOUND = 1e-5
+#: 16-bit activations ("half": float16 under the interpreter, whose ``tl.dot`` cannot take bfloat16;
+#: both on a GPU): the weights rounded to that dtype (bfloat16: 2**-9) and the result too
+MATMUL_HALF_BOUND = 2.0 ** -7
+#: 16-bit queries, keys, values and probabilities (bfloat16: 2**-9 each), outputs of order 1
+ATTENTION_HALF_BOUND = 3e-2
 
 
 def random_blocks(qtype: Q, rows: int, width: int, seed: int) -> np.ndarray:
@@ -45,7 +52,7 @@ def random_blocks(qtype: Q, rows: int, width: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def compare_matmuls(device: str) -> dict[str, float]:
+def compare_matmuls(device: str, half: torch.dtype = torch.float16) -> dict[str, float]:
     """Each case's largest error as a share of its bound (passes below 1)."""
     from ifb_plugins.common.quant.triton_blocks import block_matmul
 
@@ -57,16 +64,18 @@ def compare_matmuls(device: str) -> dict[str, float]:
             weight = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k).astype(np.float64))
             gen = torch.Generator().manual_seed(qi * 7 + si)
             x = torch.randn(m, k, generator=gen)
+            dtype, bound = (half, MATMUL_HALF_BOUND) if shape == "half" else (torch.float32, MATMUL_BOUND)
+            x = x.to(dtype)
             bias = torch.randn(n, generator=gen) if has_bias else None
             out = block_matmul(x.to(device), qtype, torch.from_numpy(raw).to(device), k,
                                None if bias is None else bias.to(device)).cpu().double()
             ref = x.double() @ weight.T + (0 if bias is None else bias.double())
             scale = x.double().abs() @ weight.abs().T + 1e-30
-            results[f"{name}-{shape}"] = ((out - ref).abs() / scale).max().item() / MATMUL_BOUND
+            results[f"{name}-{shape}"] = ((out - ref).abs() / scale).max().item() / bound
     return results
 
 
-def compare_attention(device: str) -> dict[str, float]:
+def compare_attention(device: str, half: torch.dtype = torch.float16) -> dict[str, float]:
     from ifb_plugins.common.layers.attention import build_attn_metadata, paged_attention as torch_attention
     from ifb_plugins.common.layers.triton_attention import paged_attention
     from ifb_plugins.common.models.gemma4 import windowed_attention
@@ -90,12 +99,18 @@ def compare_attention(device: str) -> dict[str, float]:
                          dict(window=8, sinks=sinks, scale=d ** -0.5)),
         "gemma-window": (windowed_attention(q, k_cache, v_cache, attn, 5), dict(window=5, scale=1.0)),
     }
+    q16, k16, v16 = (t.to(half) for t in (q, k_cache, v_cache))
+    ref16 = sink_attention(q16.float(), k16.float(), v16.float(), attn, sinks, d ** -0.5, 8)
     dev_attn = build_attn_metadata(seqs, block_size, device)
     results = {}
     for name, (ref, kwargs) in refs.items():
         kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in kwargs.items()}
         out = paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), dev_attn, **kwargs).cpu()
         results[name] = (out - ref).abs().max().item() / ATTENTION_BOUND
+    out = paged_attention(q16.to(device), k16.to(device), v16.to(device), dev_attn, window=8,
+                          sinks=sinks.to(device), scale=d ** -0.5).cpu()
+    assert out.dtype == half
+    results["half-window-sinks"] = (out.float() - ref16).abs().max().item() / ATTENTION_HALF_BOUND
     return results
 
 
