@@ -59,11 +59,13 @@ def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
-    # Verified by tests/plugins/vlm: batched greedy output of media requests equals their output alone.
+    # Verified by tests/plugins/vlm on the CPU: batched greedy output of media requests equals their output
+    # alone; not yet on a CUDA device.
     return DeploymentCaps(
         tensor_parallel_note="the vision and audio encoders and the media splice run on one rank; the decoder is not sharded with them",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=vlm_options(config),
+        num_ranks=config.num_ranks, batch_invariant_verified=(config.device or "cpu") == "cpu",
+        options=vlm_options(config),
         # transcription is a chat request with the clip; a checkpoint without an audio encoder refuses it
         endpoints={**TEXT_ENDPOINTS, "audio.transcriptions": EndpointSupport.SERVED},
     )

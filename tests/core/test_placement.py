@@ -93,3 +93,13 @@ def test_the_resolved_device_is_logged_at_start_up(caplog, tmp_path) -> None:
             assert next(llm.deployment.runtime.model.parameters()).device.type == "cpu"
     assert any(r.getMessage().startswith("device: cpu (") and "weights dtype: auto" in r.getMessage()
                for r in caplog.records)
+
+
+def test_batch_invariance_is_declared_for_the_cpu_only() -> None:
+    from ifb.plugins import default_host
+
+    host = default_host()
+    for name in ("text", "vlm", "mamba"):
+        kind = host.kind(name)
+        assert kind.declare(DeployConfig(plugin=name, device="cpu")).batch_invariant_verified, name
+        assert not kind.declare(DeployConfig(plugin=name, device="cuda")).batch_invariant_verified, name
