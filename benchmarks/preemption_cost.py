@@ -37,8 +37,7 @@ def _timed(fn, repeats: int, sync) -> float:
 
 def measure(lengths: list[int], repeats: int, device: str) -> list[dict]:
     capacity = max(lengths) + 64
-    options = {"device": device} if device != "cpu" else {}
-    with LLM(max_batch_size=1, max_kv_cache_capacity=capacity, **options) as llm:
+    with LLM(max_batch_size=1, max_kv_cache_capacity=capacity, device=device) as llm:
         runtime = llm.deployment.runtime
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         caches = runtime.kv_caches

@@ -108,6 +108,11 @@ class DeployConfig:
     num_ranks: int = 1
     #: seconds any collective between the ranks may take; past it the silent rank is lost
     collective_timeout: float = 60.0
+    #: the torch device (``cpu``, ``cuda``, ``cuda:N``); None: ``cuda`` when present, else ``cpu``
+    #: (``ifb.placement``; a loaded deployment's config holds the resolved name)
+    device: str | None = None
+    #: the weights' floating dtype: ``auto`` (bfloat16 on CUDA, float32 on the CPU) or a dtype's name
+    dtype: str = "auto"
     options: dict[str, Any] = attrs.field(factory=dict)  # plugin-specific settings
 
 
@@ -140,6 +145,9 @@ class DeploymentKind:
     settings: frozenset[str] | None = None
     #: the kind ``ifb serve`` and ``LLM`` load when no plugin is named (one installed kind says so)
     is_default: bool = False
+    #: the torch device types ``load`` builds on (``ifb.placement``): an unset ``--device`` is ``cuda``
+    #: only where the kind builds there and a CUDA device is present; any other type is refused
+    device_types: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
 @attrs.frozen

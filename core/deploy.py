@@ -11,6 +11,7 @@ from ifb.counters import SchedulingCounters
 from ifb.engine import RequestEngine
 from ifb.gate import UnsupportedDeployment, check_deployment
 from ifb.kv import BlockManager
+from ifb.placement import check_dtype_name, describe_device, resolve_device
 from ifb.plugins import PluginHost, default_host
 
 log = logging.getLogger("ifb.deploy")
@@ -72,6 +73,7 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     host = host or default_host()
     kind = host.kind(config.plugin)
     check_settings(kind, config)
+    config = placed(kind, config)
     reason = check_deployment(kind.declare(config), config)
     resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
     if resolved is not None:
@@ -107,6 +109,14 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
         runtime.on_lost.append(engine.lose)
     log.info(deployment.describe())
     return deployment
+
+
+def placed(kind: DeploymentKind, config: DeployConfig) -> DeployConfig:
+    """``config`` with its device resolved (``ifb.placement``; refused before anything loads), logged."""
+    check_dtype_name(config.dtype)
+    config = attrs.evolve(config, device=resolve_device(config.device, kind.device_types, kind.name))
+    log.info("device: %s; weights dtype: %s", describe_device(config.device), config.dtype)
+    return config
 
 
 def load_ranks(kind: DeploymentKind, config: DeployConfig):

@@ -8,6 +8,7 @@ from ifb.capabilities import DeployConfig
 from ifb.deploy import Deployment, load_deployment
 from ifb.outputs import FinalOutput, RequestFailed, RequestHandle, RequestOutput, collect
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams, Trajectory
+from ifb.placement import check_device_name, check_dtype_name
 from ifb.plugins import default_host
 
 
@@ -21,6 +22,9 @@ class LLM:
     ``tensor_parallel_size`` > 1 shards the model over that many ranks, spawned on this machine
     (see docs/tensor-parallel.md); ``collective_timeout`` bounds how long a silent rank is waited for.
 
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``; default: cuda when present, else cpu) and ``dtype``
+    (``auto``, ``bfloat16``, ``float16``, ``float32``) are ``--device`` and ``--dtype`` (``ifb.placement``).
+
     ``plugin`` names the deployment kind (None: the installed default). ``plugin_options`` are the
     plugins' settings (``ifb_deploy_settings``; ``ifb serve --help`` lists them as flags), checked as
     the flags are: ``LLM(some_setting=value)`` is ``ifb serve --some-setting value``.
@@ -30,7 +34,8 @@ class LLM:
                  enable_in_flight_batching: bool = False, max_queued_requests: int = 64,
                  queue_timeout: float = 600.0, enable_context_reuse: bool = False,
                  max_kv_cache_capacity: int | None = None, max_num_batched_tokens: int = 256,
-                 tensor_parallel_size: int = 1, collective_timeout: float = 60.0, **plugin_options: Any):
+                 tensor_parallel_size: int = 1, collective_timeout: float = 60.0, device: str | None = None,
+                 dtype: str = "auto", **plugin_options: Any):
         host = default_host()
         self.config = DeployConfig(
             model=model, plugin=plugin or host.default_kind().name, max_batch_size=max_batch_size,
@@ -38,7 +43,7 @@ class LLM:
             queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
             max_kv_cache_capacity=max_kv_cache_capacity, max_num_batched_tokens=max_num_batched_tokens,
             options=host.setting_options(plugin_options), num_ranks=tensor_parallel_size,
-            collective_timeout=collective_timeout,
+            collective_timeout=collective_timeout, device=check_device_name(device), dtype=check_dtype_name(dtype),
         )
         self.deployment: Deployment = load_deployment(self.config, host)
 

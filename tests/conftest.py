@@ -9,9 +9,15 @@ from tests.native import require_native_kernels
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked ``native_kernels`` (``tests.native.needs_kernels``) fails, naming the compiler's
-    error, where the native kernels do not build or load."""
+    error, where the native kernels do not build or load; one marked ``gpu`` is skipped, with that
+    reason, where torch sees no CUDA device."""
     if item.get_closest_marker("native_kernels") is not None:
         require_native_kernels()
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import attrs
 import click
 
 from ifb.capabilities import DeployConfig
+from ifb.placement import DTYPES, DeviceName
 from ifb.server.reasoning import PARSERS
 from ifb.server.plugin_flags import PluginFlagsCommand, default_plugin, setting_options
 
@@ -93,6 +94,11 @@ def _setup_logging(level: str) -> None:
 @click.option("--reasoning-parser", type=click.Choice(PARSERS), default="auto", show_default=True,
               help="Split a reasoning model's thinking from its answer (reasoning_content, reasoning items, "
                    "thinking blocks); auto: from the chat template.")
+@click.option("--device", type=DeviceName(), default=None,
+              help="The torch device every part of the model runs on.  [default: cuda when a CUDA device is "
+                   "present, else cpu]")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+              help="The weights' floating dtype; auto: bfloat16 on CUDA, float32 on the CPU.")
 @click.option("--static-batching", is_flag=True, hidden=True,
               help="(For benchmarks) admit a batch together and drain it before the next; needs in-flight batching.")
 def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_batching: bool,
@@ -103,7 +109,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
           warmup_prompt: Path | None = None, max_request_body_bytes: int = 16 * 1024 * 1024,
           allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = (),
           static_batching: bool = False, reasoning_parser: str = "auto", tensor_parallel_size: int | None = None,
-          collective_timeout: float = 60.0, **plugin_flags) -> None:
+          collective_timeout: float = 60.0, device: str | None = None, dtype: str = "auto", **plugin_flags) -> None:
     """Serve MODEL (a file, a directory or a known name; default: the plugin's default model)
     over OpenAI-compatible HTTP: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
@@ -140,6 +146,7 @@ def serve(model: str | None, plugin: str, max_batch_size: int, enable_in_flight_
         queue_timeout=queue_timeout, enable_context_reuse=enable_context_reuse,
         max_kv_cache_capacity=max_kv_cache_capacity, options=options,
         num_ranks=_num_ranks(tensor_parallel_size, torchrun_env()), collective_timeout=collective_timeout,
+        device=device, dtype=dtype,
     )
     if max_num_batched_tokens is not None:
         fields["max_num_batched_tokens"] = max_num_batched_tokens

@@ -67,6 +67,10 @@ def load(config: DeployConfig):
 
     if not config.model:
         raise ValueError("the action plugin has no default model: pass a pi0 checkpoint directory")
+    from ifb_plugins.common.runtime.placement import float32_only
+
+    # pi0 is built (and tested) in float32 on the CPU: --dtype auto is float32 here
+    float32_only(config, "the action deployment")
     path = Path(config.model).expanduser()
     model = load_pi0(path)
     name = config.options.get("served_model_name") or path.name
@@ -90,5 +94,6 @@ def ifb_deployment_kinds():
     return [DeploymentKind(
         name="action", plugin="action", title="Vision-language-action (pi0 trajectory planning)", declare=declare,
         load=load, variants=VARIANTS, settings=frozenset({"allowed_local_media_path", "served_model_name"}),
+        device_types=frozenset({"cpu"}),
         description="pi0 checkpoints as transformers saves them: PaliGemma backbone, action expert, "
                     "flow-matching sampler; the request's trajectory in, the planned one out")]

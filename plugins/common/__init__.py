@@ -13,8 +13,9 @@ kind of thing:
 
 - ``runtime``: ``text`` (``TextRuntime``, the paged-KV stepped runtime base: ``KV_BLOCK_SIZE``,
   ``kv_capacity_tokens``), ``caps`` (what every deployment on it declares: ``text_options``,
-  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``), ``lora`` (adapters) and
-  ``syscache`` (the legacy system-prompt capture);
+  ``TEXT_ENDPOINTS``, ``TEXT_RUNTIME_SETTINGS``, ``MAX_BUILT_BATCH``), ``lora`` (adapters),
+  ``syscache`` (the legacy system-prompt capture) and ``placement`` (``device_of``, ``weights_dtype``:
+  ``--device`` / ``--dtype`` as torch values);
 - ``decoding``: ``sampling`` (``sample_step``, per-sequence sampling of a step's logits),
   ``speculative`` (verifying drafted tokens: greedy agreement, rejection sampling) and ``guided``
   (grammar-constrained decoding);
@@ -31,14 +32,16 @@ kind of thing:
   ``gpt_oss``;
 - ``layers``: ``attention`` (paged attention: ``AttnMetadata``, ``build_attn_metadata``,
   ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
-  ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``) and ``triton_kernels`` (the GPU hot ops);
+  ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``), ``triton_kernels`` (the GPU hot ops) and ``triton_attention``
+  (paged prefill and decode attention with sliding windows and sinks in Triton);
 - ``loading``: ``checkpoint`` (``load_checkpoint``, ``build_model``: a ``.gguf`` file or a Hugging
   Face directory), ``hf``, ``gguf``, ``memory`` (the file's map, read once; the fits-in-memory check)
   and ``processor`` (``ProcessorFiles``: a checkpoint's image and audio processor settings from either
   processor file, as transformers reads them);
 - ``quant``: ``linear`` (the GGUF-block linear layers), ``parts`` (``BlockParts``: a model built on
   them), ``blocks`` (their integer reference in torch), ``int4_torch`` (torch's packed int4
-  fallback) and ``kernels`` (the native kernels; their C sources live in ``quant/csrc/``);
+  fallback), ``triton_blocks`` (GGUF blocks dequantized inside a Triton matmul), ``triton_parts``
+  (``DeviceParts``: a model built for a CUDA device on those kernels) and ``kernels`` (the native kernels; their C sources live in ``quant/csrc/``);
 - ``media``: ``parts`` (OpenAI-style image / audio content parts: ``parse_messages``,
   ``MediaItem``), ``prompt`` (placeholders expanded at admission, embeddings spliced per step),
   ``mel`` (Whisper's log-mel features), ``image_ops`` and ``qwen2_5_vl_image`` (image
@@ -69,6 +72,7 @@ PUBLIC_MODULES = (
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
     "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",
     "speculative.ngram", "speculative.draft_model", "speculative.assistant", "models.gemma4_assistant",
+    "runtime.placement", "layers.triton_attention", "quant.triton_blocks", "quant.triton_parts",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from

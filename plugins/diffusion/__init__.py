@@ -84,6 +84,10 @@ def load(config: DeployConfig):
     if not config.model:
         raise FileNotFoundError("the diffusion deployment has no default model: give a DiffusionGemma checkpoint "
                                 "directory (as transformers' save_pretrained writes it)")
+    from ifb_plugins.common.runtime.placement import float32_only
+
+    # the denoiser is built (and tested) in float32 on the CPU: --dtype auto is float32 here
+    float32_only(config, "the diffusion deployment")
     overrides = {field: config.options.get(key) for key, field in SAMPLER_FIELDS.items()}
     loaded = load_diffusion_dir(config.model, overrides)
     name = config.options.get("served_model_name") or Path(config.model).name
@@ -94,7 +98,7 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="diffusion", plugin="diffusion", title=TITLE, declare=declare, load=load,
-        settings=frozenset({"served_model_name", "max_model_len", *SAMPLER_FIELDS}),
+        settings=frozenset({"served_model_name", "max_model_len", *SAMPLER_FIELDS}), device_types=frozenset({"cpu"}),
         description="DiffusionGemma (block diffusion: canvases denoised with entropy-bound acceptance) "
                     "from a Hugging Face safetensors directory")]
 

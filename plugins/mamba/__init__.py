@@ -44,7 +44,8 @@ def mamba_options() -> dict[str, OptionSupport]:
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
-    device = str(config.options.get("device") or "cpu")
+    # the core resolves --device before declaring; None only where a caller declares a raw config
+    device = config.device or "cpu"
     return DeploymentCaps(
         tensor_parallel_note="the Mamba-2 mixers' per-seat conv and SSM state are not sharded over ranks",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
@@ -70,6 +71,6 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)", declare=declare,
-        load=load, settings=frozenset({"served_model_name", "max_model_len", "device", "hybrid_checkpoint_interval"}),
+        load=load, settings=frozenset({"served_model_name", "max_model_len", "hybrid_checkpoint_interval"}),
         description="Hybrid Mamba-2 or Gated DeltaNet / attention decoder from a Hugging Face Nemotron-H (and "
                     "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

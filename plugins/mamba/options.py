@@ -12,10 +12,6 @@ from ifb.capabilities import DeploySetting
 
 SETTINGS = (
     DeploySetting(
-        name="device", metavar="DEVICE", default="cpu",
-        help="The torch device the model and its state run on (cpu, cuda, cuda:1, ...); batch invariance "
-             "is declared on cpu only."),
-    DeploySetting(
         name="hybrid_checkpoint_interval", type=click.IntRange(min=1), metavar="TOKENS",
         help="With --enable-context-reuse, keep the recurrent state every TOKENS tokens (a multiple of the KV "
              "block size) besides at each prompt's end.  [default: 256]"),

@@ -37,6 +37,7 @@ from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
 from ifb_plugins.common.chat.prompt import prompt_token_ids
 from ifb_plugins.common.runtime.text import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
+from ifb_plugins.common.runtime.placement import device_of, float32_only
 from ifb_plugins.common.decoding.sampling import sample_step
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 
@@ -123,8 +124,9 @@ class HybridRuntime:
 
 def load_hybrid_runtime(config: DeployConfig, caps: DeploymentCaps) -> HybridRuntime:
     loaded = load_hybrid_dir(config.model)
-    device = str(config.options.get("device") or "cpu")
-    model = build_hybrid_model(loaded, device=device)
+    # the recurrent mixers' numerics are written (and tested) in float32: --dtype auto is float32 here
+    float32_only(config, "the hybrid Mamba deployment")
+    model = build_hybrid_model(loaded, device=device_of(config))
     name = config.options.get("served_model_name") or Path(loaded.path).name
     log.info("loaded %s (pattern %s, hidden %d)", name, loaded.config.pattern, loaded.config.hidden_size)
     return HybridRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name)

@@ -90,11 +90,18 @@ def declare_tts(config: DeployConfig) -> DeploymentCaps:
         supports_prefix_reuse=False, prefix_reuse_note="a TTS model keeps no KV prefix to reuse")
 
 
+#: the speech models are built (and tested) on the CPU only
+CPU_ONLY = frozenset({"cpu"})
+
+
 def load_omni(config: DeployConfig):
     from ifb_plugins.speech.omni_runtime import load_omni_runtime
 
     if not config.model:
         raise FileNotFoundError("the omni deployment has no default model: give a Qwen3-Omni checkpoint directory")
+    from ifb_plugins.common.runtime.placement import float32_only
+
+    float32_only(config, "the omni deployment")
     return load_omni_runtime(config, declare_omni(config))
 
 
@@ -106,6 +113,9 @@ def load_tts(config: DeployConfig):
 
     if not config.model:
         raise FileNotFoundError("the tts deployment has no default model: give a Qwen3-TTS checkpoint directory")
+    from ifb_plugins.common.runtime.placement import float32_only
+
+    float32_only(config, "the tts deployment")
     path = Path(config.model)
     name = config.options.get("served_model_name") or path.name
     return TtsRuntime(speaker=load_speaker(path), caps=declare_tts(config), config=config, model_name=name)
@@ -113,13 +123,13 @@ def load_tts(config: DeployConfig):
 
 OMNI_KIND = DeploymentKind(
     name="omni", plugin="speech", title=OMNI_TITLE, declare=declare_omni, load=load_omni,
-    settings=TEXT_RUNTIME_SETTINGS | {"max_audio_frames"},
+    settings=TEXT_RUNTIME_SETTINGS | {"max_audio_frames"}, device_types=CPU_ONLY,
     variants=(MatrixVariant(OMNI_TITLE, DeployConfig(plugin="omni", enable_in_flight_batching=True),
                             note="The Talker and code-to-waveform decoder are not loaded under the flag."),),
     description="Qwen3-Omni (Thinker with audio and image input + Talker + Code2Wav)")
 TTS_KIND = DeploymentKind(
     name="tts", plugin="speech", title=TTS_TITLE, declare=declare_tts, load=load_tts,
-    settings=frozenset({"served_model_name"}),
+    settings=frozenset({"served_model_name"}), device_types=CPU_ONLY,
     description="Qwen3-TTS CustomVoice / VoiceDesign (talker, code predictor, 12 Hz codec decoder) at 24 kHz")
 
 

@@ -14,6 +14,7 @@ from ifb_plugins.common.loading.checkpoint import LoadedCheckpoint, build_model,
 from ifb_plugins.common.runtime.lora import lora_enabled, lora_set
 from ifb_plugins.common.models.decoder import TextModel
 from ifb_plugins.common.models.parts import ModelParts
+from ifb_plugins.common.runtime.placement import device_of, weights_dtype
 from ifb_plugins.common.runtime.text import TextRuntime
 
 log = logging.getLogger("ifb.text")
@@ -102,30 +103,61 @@ def describe_model(model: TextModel, parts: ModelParts, *, has_lora: bool) -> Pr
     return PreparedModel(report.describe(), **native)
 
 
-def build_text_model(loaded: LoadedCheckpoint, mode: str, *, has_lora: bool,
-                     layer_stack: StackChoice = "auto") -> tuple[TextModel, PreparedModel]:
-    """The deployment's model: built from ``model_parts``, then the deferred matrices it still
-    holds in float32 (types without a block path, or a float32 deployment) read from the file."""
+def build_text_model(loaded: LoadedCheckpoint, mode: str, *, has_lora: bool, layer_stack: StackChoice = "auto",
+                     device: torch.device = torch.device("cpu"),
+                     dtype: torch.dtype = torch.float32) -> tuple[TextModel, PreparedModel]:
+    """The deployment's model: built from ``model_parts`` (on a CUDA device, ``DeviceParts``: the
+    Triton kernels), then the deferred matrices it still holds (types without a block path, or a
+    float32 deployment) read from the file."""
+    if device.type == "cuda":
+        return build_device_model(loaded, mode, device, dtype)
+    if dtype != torch.float32 and loaded.source == "gguf" and mode != "none":
+        raise ValueError(f"--dtype {str(dtype).removeprefix('torch.')}: a GGUF file's blocks run on the CPU's "
+                         f"native kernels with float32 activations; on the CPU --dtype applies to Hugging Face "
+                         f"checkpoints (or --quantization none)")
     parts = model_parts(loaded, mode, has_lora=has_lora, layer_stack=layer_stack)
     kernels = getattr(parts, "kernels", None)
     if kernels is not None:
         kernels.set_num_threads(torch.get_num_threads())
-    model = build_model(loaded, dtype=torch.float32, parts=parts)
+    model = build_model(loaded, dtype=dtype, parts=parts)
+    _materialize(model, loaded, parts)
+    prepared = describe_model(model, parts, has_lora=has_lora)
+    if dtype != torch.float32:
+        prepared = attrs.evolve(prepared, description=prepared.description.replace("float32", str(dtype)[6:]))
+    return model, prepared
+
+
+def build_device_model(loaded: LoadedCheckpoint, mode: str, device: torch.device,
+                       dtype: torch.dtype) -> tuple[TextModel, PreparedModel]:
+    """The model on a CUDA device: ``quant.triton_parts.DeviceParts`` (Triton attention, and a GGUF's
+    blocks in Triton matmuls unless ``mode`` is ``none``), the other weights in ``dtype``."""
+    from ifb_plugins.common.quant.triton_parts import DeviceParts
+
+    parts = DeviceParts.for_checkpoint(loaded) if mode != "none" else DeviceParts()
+    model = build_model(loaded, dtype=dtype, device=device, parts=parts)
+    _materialize(model, loaded, parts)
+    return model, PreparedModel(parts.describe(dtype))
+
+
+def _materialize(model: TextModel, loaded: LoadedCheckpoint, parts: ModelParts) -> None:
     if loaded.deferred - parts.consumed:
         from ifb_plugins.common.loading.gguf import materialize
 
         materialize(model, loaded.path, loaded.deferred - parts.consumed)
-    return model, describe_model(model, parts, has_lora=has_lora)
 
 
-def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel) -> torch.dtype:
+def kv_cache_dtype(config: DeployConfig, mode: str, prepared: PreparedModel,
+                   weights: torch.dtype = torch.float32) -> torch.dtype:
     """The KV cache's dtype: ``kv_cache_dtype`` if set, else (``auto``) float16 where the native
     kernels run the model with integer activations, whose attention reads float16 at half the
-    bytes per context token, and float32 everywhere else (the float32-exact modes included)."""
+    bytes per context token, the weights' dtype when it is not float32 (``--dtype``), and float32
+    everywhere else (the float32-exact modes included)."""
     choice = config.options.get("kv_cache_dtype") or "auto"
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {choice!r}")
     dtype = KV_CACHE_DTYPES[choice]
+    if dtype is None and weights != torch.float32:  # a bfloat16 / float16 model keeps its KV in its dtype
+        dtype = weights
     if dtype is None:
         dtype = torch.float16 if prepared.is_native and _ACTIVATIONS.get(mode) in ("int16", "int8") else torch.float32
     return dtype
@@ -142,15 +174,21 @@ def load_text_runtime(config: DeployConfig, caps: DeploymentCaps, *, layer_stack
         return load_family_runtime(config, caps)
     mode = quantization_mode(config)
     has_lora = lora_enabled(config)
+    device, dtype = device_of(config), weights_dtype(config)
+    if has_lora and dtype != torch.float32:
+        raise ValueError(f"LoRA adapters are served with float32 weights: pass --dtype float32 "
+                         f"(auto is {str(dtype).removeprefix('torch.')} on {device.type})")
     # the matrices that go onto blocks are never dequantized: a deferred one still needed afterwards
     # (a type with no block path, or a float32 deployment after all) is read in float32 then
     loaded = load_checkpoint(path, defer_quantized=mode != "none")
-    model, prepared = build_text_model(loaded, mode, has_lora=has_lora, layer_stack=layer_stack)
+    model, prepared = build_text_model(loaded, mode, has_lora=has_lora, layer_stack=layer_stack, device=device,
+                                       dtype=dtype)
     name = config.options.get("served_model_name") or model_name_for(path)
     lora = lora_set(model, config)
-    kv_dtype = kv_cache_dtype(config, mode, prepared)
-    log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache)", name, loaded.source, loaded.config.num_layers,
-             loaded.config.hidden_size, prepared.description, str(kv_dtype).removeprefix("torch."))
+    kv_dtype = kv_cache_dtype(config, mode, prepared, dtype)
+    log.info("loaded %s (%s, %d layers, hidden %d; %s; %s KV cache; on %s)", name, loaded.source,
+             loaded.config.num_layers, loaded.config.hidden_size, prepared.description,
+             str(kv_dtype).removeprefix("torch."), device)
     runtime = TextRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
                           lora=lora, kv_dtype=kv_dtype)
     if prepared.is_native:
@@ -173,6 +211,9 @@ def load_text_shard(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     from ifb_plugins.common.runtime.text import kv_bytes_per_token, kv_capacity_tokens, max_model_len_for
 
     ctx = current()
+    if device_of(config).type != "cpu" or weights_dtype(config) != torch.float32:
+        raise ValueError("tensor parallelism runs float32 shards on the CPU here: pass --device cpu "
+                         "(and --dtype float32 or auto)")
     if ctx is None or ctx.world_size != config.num_ranks:
         raise RuntimeError(f"a {config.num_ranks}-rank text deployment loads inside ifb.parallel's ranks")
     from ifb_plugins.common.models.tensor_parallel import ShardPlan

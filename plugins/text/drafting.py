@@ -68,7 +68,8 @@ def _assistant_drafter(path: Path, caps: SpeculationCaps, config: DeployConfig,
             f"{runtime.model_name} one of {runtime.vocab_size}: a draft model must share the target's vocabulary")
     check_fits(assistant_config, target.config)
     state = load_hf_state_dict(path, keeps_integers=True)  # its token ordering is an index
-    assistant = load_module(Gemma4AssistantModel, assistant_config, state, path, runtime.device)
+    assistant = load_module(Gemma4AssistantModel, assistant_config, state, path, runtime.device,
+                            dtype=target.model.embed_tokens.weight.dtype)
     table, scale = target.model.embed_tokens, target.config.hidden_size ** 0.5
 
     def embed(ids: torch.Tensor) -> torch.Tensor:  # as the target scales its input embedding
@@ -88,6 +89,7 @@ def build_drafter(config: DeployConfig, caps: SpeculationCaps, runtime: TextRunt
     if caps.method == "ngram":
         low, high = ngram_range(config)
         return NgramDrafter(low, high), caps
+    from ifb_plugins.common.runtime.placement import weights_dtype
     from ifb_plugins.text.build import build_text_model, kv_cache_dtype, model_name_for
     from ifb_plugins.text.default_model import resolve_model
 
@@ -101,9 +103,11 @@ def build_drafter(config: DeployConfig, caps: SpeculationCaps, runtime: TextRunt
         raise VocabularyMismatch(
             f"the draft model {name} has a vocabulary of {loaded.config.vocab_size} tokens, the target "
             f"{runtime.model_name} one of {runtime.vocab_size}: a draft model must share the target's vocabulary")
-    model, prepared = build_text_model(loaded, mode, has_lora=False)
+    # the draft runs where the target runs, in the target's dtype (a CUDA device: the Triton kernels)
+    dtype = weights_dtype(config)
+    model, prepared = build_text_model(loaded, mode, has_lora=False, device=runtime.device, dtype=dtype)
     model = model.to(runtime.device)
-    kv_dtype = kv_cache_dtype(DeployConfig(), mode, prepared)
+    kv_dtype = kv_cache_dtype(DeployConfig(), mode, prepared, dtype)
     # the draft's KV sits in the same block ids as the target's: same count, same size
     caches = allocate_kv_cache(model.config, runtime.num_kv_blocks, runtime.kv_block_size, dtype=kv_dtype,
                                device=runtime.device)

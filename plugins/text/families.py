@@ -23,6 +23,7 @@ from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.models.gemma4 import Gemma4Config, Gemma4Model
 from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel, read_gpt_oss_gguf
+from ifb_plugins.common.runtime.placement import device_of, weights_dtype
 from ifb_plugins.common.runtime.text import TextRuntime
 
 log = logging.getLogger("ifb.text")
@@ -56,25 +57,31 @@ def is_gpt_oss_gguf(path: Path) -> bool:
     return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
 
 
-def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
-    """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), float32 on ``device``."""
+def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), in ``dtype`` on
+    ``device``."""
     if getattr(config, "tie_word_embeddings", True):
         state.pop("lm_head.weight", None)
+    if torch.device(device).type == "cuda" and "attention_backend" in attrs.fields_dict(type(config)):
+        # attention on the Triton kernel, chosen as the model is built
+        config = attrs.evolve(config, attention_backend="triton")
     with torch.device("meta"):
         model = model_cls(config)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
-    return model.to(device=device, dtype=torch.float32).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
-def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, TextTokenizer]:
-    """The model (float32, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory,
+def build_family_model(path: Path, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> tuple[nn.Module, TextTokenizer]:
+    """The model (in ``dtype``, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory,
     or of a gpt-oss GGUF file."""
     if is_gpt_oss_gguf(path):
         config, state, meta = read_gpt_oss_gguf(path)
-        return load_module(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
+        return load_module(GptOssModel, config, state, path, device, dtype), TextTokenizer.from_gguf_metadata(meta)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
@@ -86,15 +93,16 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return load_module(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
+    return load_module(model_cls, config, load_hf_state_dict(path), path, device, dtype), tokenizer
 
 
 def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
-    model, tokenizer = build_family_model(path, str(config.options.get("device") or "cpu"))
+    dtype = weights_dtype(config)
+    model, tokenizer = build_family_model(path, device_of(config), dtype)
     name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
-    log.info("loaded %s (%s, %d layers, hidden %d; float32)", name, type(model).__name__, model.config.num_layers,
-             model.config.hidden_size)
+    log.info("loaded %s (%s, %d layers, hidden %d; %s)", name, type(model).__name__, model.config.num_layers,
+             model.config.hidden_size, str(dtype).removeprefix("torch."))
     runtime = TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)
     if caps.speculation is not None:
         from ifb_plugins.text.drafting import build_drafter

@@ -59,11 +59,13 @@ def vlm_options(config: DeployConfig) -> dict[str, OptionSupport]:
 
 
 def declare(config: DeployConfig) -> DeploymentCaps:
-    # Verified by tests/plugins/vlm: batched greedy output of media requests equals their output alone.
+    # Verified by tests/plugins/vlm on the CPU: batched greedy output of media requests equals their output
+    # alone; not yet on a CUDA device.
     return DeploymentCaps(
         tensor_parallel_note="the vision and audio encoders and the media splice run on one rank; the decoder is not sharded with them",
         stepped_execution=True, seated_admission=True, max_batch_size=MAX_BUILT_BATCH,
-        num_ranks=config.num_ranks, batch_invariant_verified=True, options=vlm_options(config),
+        num_ranks=config.num_ranks, batch_invariant_verified=(config.device or "cpu") == "cpu",
+        options=vlm_options(config),
         # transcription is a chat request with the clip; a checkpoint without an audio encoder refuses it
         endpoints={**TEXT_ENDPOINTS, "audio.transcriptions": EndpointSupport.SERVED},
     )
@@ -73,6 +75,7 @@ def load(config: DeployConfig):
     from pathlib import Path
 
     from ifb_plugins.common.runtime.lora import lora_set, prefixed_names
+    from ifb_plugins.common.runtime.placement import device_of, float32_only
     from ifb_plugins.vlm.checkpoint import TEXT_MODEL_PREFIXES, TEXT_PREFIXES
     from ifb_plugins.vlm.families import load_vlm
     from ifb_plugins.vlm.runtime import VlmRuntime
@@ -81,7 +84,9 @@ def load(config: DeployConfig):
     if not config.model:
         raise ValueError("the vlm plugin has no default model: pass a multimodal checkpoint directory")
     path = Path(config.model).expanduser()
-    loaded = load_vlm(path)
+    # the towers and the decoder are built in float32 (tests/plugins/vlm), on the deployment's device
+    float32_only(config, "the vlm deployment")
+    loaded = load_vlm(path, device_of(config))
     name = config.options.get("served_model_name") or path.name
     # an adapter made on the whole multimodal model names the decoder's modules as the checkpoint nests them
     # (one made on the decoder alone, as the decoder does)

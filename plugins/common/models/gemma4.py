@@ -76,6 +76,9 @@ class Gemma4Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
+    #: what computes attention: ``torch`` (``windowed_attention``) or ``triton``
+    #: (``layers.triton_attention``, the choice of a model built for a CUDA device)
+    attention_backend: str = "torch"
 
     @property
     def num_layers(self) -> int:
@@ -206,6 +209,14 @@ def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out
 
 
+def triton_windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata,
+                              window: int | None) -> torch.Tensor:
+    """``windowed_attention`` on the Triton kernel (a CUDA device)."""
+    from ifb_plugins.common.layers.triton_attention import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, attn, scale=1.0, window=window)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Gemma4Config, index: int) -> None:
         super().__init__()
@@ -223,6 +234,7 @@ class Attention(nn.Module):
             self.v_proj = None if s.values_are_keys else nn.Linear(h, s.num_kv_heads * s.head_dim, bias=bias)
             self.k_norm = Norm(s.head_dim, eps)
             self.v_norm = Norm(s.head_dim, eps, with_scale=False)
+        self.attend = triton_windowed_attention if config.attention_backend == "triton" else windowed_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -232,7 +244,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
             v = k if self.v_proj is None else self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
             write_kv(rope(self.k_norm(k), cos, sin), self.v_norm(v), kv[0], kv[1], attn.slot_mapping)
-        out = windowed_attention(q, kv[0], kv[1], attn, self.window)
+        out = self.attend(q, kv[0], kv[1], attn, self.window)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -61,6 +61,9 @@ class GptOssConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = True
+    #: what computes attention: ``torch`` (``sink_attention``) or ``triton`` (``layers.triton_attention``,
+    #: the choice of a model built for a CUDA device)
+    attention_backend: str = "torch"
 
     @property
     def num_layers(self) -> int:
@@ -167,6 +170,14 @@ def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
+def triton_sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata,
+                          sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """``sink_attention`` on the Triton kernel (a CUDA device)."""
+    from ifb_plugins.common.layers.triton_attention import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, attn, scale=scale, window=window, sinks=sinks)
+
+
 class Attention(nn.Module):
     def __init__(self, config: GptOssConfig, index: int) -> None:
         super().__init__()
@@ -178,6 +189,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(c.num_heads))
+        self.attend = triton_sink_attention if c.attention_backend == "triton" else sink_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -185,7 +197,7 @@ class Attention(nn.Module):
         q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         write_kv(k, self.v_proj(x).view(t, self.num_kv_heads, self.head_dim), kv[0], kv[1], attn.slot_mapping)
-        out = sink_attention(q, kv[0], kv[1], attn, self.sinks, self.head_dim ** -0.5, self.window)
+        out = self.attend(q, kv[0], kv[1], attn, self.sinks, self.head_dim ** -0.5, self.window)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -28,7 +28,7 @@ def test_declaration_is_stepped_seated_per_sequence_and_verified_on_cpu():
                  "generate_audio", "past_trajectory"):
         assert caps.options[name].support is Support.NOT_APPLICABLE, name
     # Not proven on CUDA: the declaration says so rather than promise it.
-    assert not declare(DeployConfig(plugin="mamba", options={"device": "cuda"})).batch_invariant_verified
+    assert not declare(DeployConfig(plugin="mamba", device="cuda")).batch_invariant_verified
 
 
 def test_context_reuse_is_declared_and_passes_the_gate():
