@@ -52,7 +52,7 @@ def save_model(shape: str, directory: Path, seed: int = 0) -> Path:
     import transformers
 
     sys.path.insert(0, str(ROOT))  # the test tree's tokenizer saver
-    from tests.models.converted import save_tokenizer
+    from tests.models.text import save_tiny_tokenizer
 
     path = directory / f"qwen2.5-{shape}"
     if (path / "config.json").exists():
@@ -62,7 +62,7 @@ def save_model(shape: str, directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(path))
-    save_tokenizer(path)
+    save_tiny_tokenizer(path)
     return path
 
 

@@ -38,9 +38,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/plugins/text/test_speculative.py::test_greedy_output_is_bit_identical_with_drafts",),
     "text | Text LLM, single rank + context cache (prefix reuse)": (
         "tests/plugins/context_cache/test_cache.py::test_greedy_outputs_are_identical_with_and_without_reuse",),
-    # pi0 starts under the flag and refuses every plan request with the reason (plans run on the blocking path)
     "action | Vision-language-action (pi0 trajectory planning)": (
-        "tests/plugins/action/test_serve.py::test_under_in_flight_batching_trajectories_are_rejected_with_the_specs_reason",),
+        "tests/plugins/action/test_batching.py::test_staggered_requests_plan_what_each_plans_alone",),
     "diffusion | Diffusion backbone": ("tests/plugins/diffusion/test_batching.py::test_staggered_joins_answer_as_alone",),
     "mamba | Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)": (
         "tests/plugins/mamba/test_batch_invariance.py::test_staggered_chunked_batch_equals_each_request_alone",),
@@ -70,13 +69,24 @@ CLAIMS: dict[str, tuple[str, ...]] = {
         "tests/plugins/common/test_lora.py::test_four_adapters_and_base_rows_in_one_batch_equal_each_alone_and_peft",),
     "text | Text LLM, single rank | More than one sequence per request": (
         "tests/plugins/text/test_n_sequences.py::test_n_in_a_busy_batch_with_context_cache_and_greedy",),
-    # pi0's requests all carry a trajectory, which the flag refuses: the same test shows it
+    # every pi0 request carries a trajectory and camera images: the staggered plans exercise each row
     "action | Vision-language-action (pi0 trajectory planning) | Plain text generation, streaming, logprobs, stop strings": (
-        "tests/plugins/action/test_serve.py::test_under_in_flight_batching_trajectories_are_rejected_with_the_specs_reason",),
+        "tests/plugins/action/test_batching.py::test_staggered_requests_plan_what_each_plans_alone",),
     "action | Vision-language-action (pi0 trajectory planning) | Sampling parameters that differ from the resident batch": (
-        "tests/plugins/action/test_serve.py::test_under_in_flight_batching_trajectories_are_rejected_with_the_specs_reason",),
+        "tests/plugins/action/test_batching.py::test_staggered_requests_plan_what_each_plans_alone",),
     "action | Vision-language-action (pi0 trajectory planning) | Media under an active visual-token pruner": (
-        "tests/plugins/action/test_serve.py::test_under_in_flight_batching_trajectories_are_rejected_with_the_specs_reason",),
+        "tests/plugins/action/test_batching.py::test_staggered_requests_plan_what_each_plans_alone",),
+    "action | Vision-language-action (pi0 trajectory planning) | pastTrajectory (trajectory execution)": (
+        "tests/plugins/action/test_batching.py::test_staggered_requests_plan_what_each_plans_alone",
+        "tests/plugins/action/test_serve.py::test_under_in_flight_batching_concurrent_plans_are_each_the_reference",),
+    "vlm | Vision / audio input (multimodal) | More than one sequence per request": (
+        "tests/plugins/vlm/test_options.py::test_n_over_an_image_prompt_shares_its_prefill_and_equals_seeded_singles",),
+    "vlm | Vision / audio input (multimodal) | Per-request LoRA": (
+        "tests/plugins/vlm/test_options.py::test_adapters_and_base_rows_with_images_in_one_batch_equal_each_alone_and_peft",),
+    "speech | Speech output, Omni bundle | More than one sequence per request": (
+        "tests/plugins/speech/test_omni_options.py::test_n_over_an_image_prompt_shares_its_prefill_and_equals_seeded_singles",),
+    "speech | Speech output, Omni bundle | Per-request LoRA": (
+        "tests/plugins/speech/test_omni_options.py::test_adapters_and_base_rows_with_images_in_one_batch_equal_each_alone_and_peft",),
     "diffusion | Diffusion backbone | Plain text generation, streaming, logprobs, stop strings": (
         "tests/plugins/diffusion/test_batching.py::test_streams_one_output_per_finished_block",
         "tests/plugins/diffusion/test_batching.py::test_a_stop_token_ends_one_resident_only",),
