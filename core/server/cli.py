@@ -196,11 +196,13 @@ def _num_ranks(tensor_parallel_size: int | None, env) -> int:
 
 def _serve_shard(env, config: DeployConfig) -> int:
     """A rank other than 0 under torchrun: load this rank's shard and run the steps rank 0 sends."""
+    from ifb.deploy import placed
     from ifb.parallel.launch import run_shard
     from ifb.plugins import default_host
 
     host = default_host()
     kind = host.kind(config.plugin)
+    config = placed(kind, config)  # the device and dtype resolved as rank 0 resolves them (same fingerprint)
     resolved = host.hook.ifb_resolve_model(name=config.model, plugin=kind.name)
     if resolved is not None:
         config = attrs.evolve(config, model=str(resolved))
