@@ -44,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    #: False: special tokens stay in the output text (a channel format such as harmony is parsed from them)
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first out-of-range field."""
@@ -85,6 +87,10 @@ class ThinkingBlock:
     start: str = "<think>"
     end: str = "</think>"
     is_open: bool = False
+    #: the output is a sequence of channel messages (OpenAI's harmony format: the ``analysis`` channel is
+    #: thinking, ``final`` the answer, a ``commentary`` message to ``functions.NAME`` a tool call);
+    #: ``start`` and ``end`` are then the analysis message's header and end
+    has_channels: bool = False
 
 
 @attrs.frozen
