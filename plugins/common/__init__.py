@@ -19,7 +19,8 @@ kind of thing:
   ``speculative`` (verifying drafted tokens: greedy agreement, rejection sampling) and ``guided``
   (grammar-constrained decoding);
 - ``speculative``: draft sources, ``drafter`` (the ``Drafter`` protocol), ``ngram`` (prompt lookup)
-  and ``draft_model`` (a draft model over its own paged cache);
+  ``draft_model`` (a draft model over its own paged cache) and ``assistant`` (a head fed the target's
+  hidden state: Gemma 4's assistant, ``models.gemma4_assistant``, over the target's own KV);
 - ``chat``: ``tokenizer`` (``TextTokenizer``) and ``prompt`` (chat rendering with the checkpoint's
   template, ``prompt_token_ids``);
 - ``models``: ``config`` (``TextModelConfig``), ``decoder`` (the Llama-family ``TextModel`` over a
@@ -64,7 +65,7 @@ PUBLIC_MODULES = (
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
     "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",
-    "speculative.ngram", "speculative.draft_model",
+    "speculative.ngram", "speculative.draft_model", "speculative.assistant", "models.gemma4_assistant",
 )
 
 #: what ``from ifb_plugins.common import NAME`` gives, and the module it comes from

@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import attrs
 import torch
 from torch import nn
 
@@ -31,7 +32,8 @@ FAMILIES = {"gemma4_text": (Gemma4Config, Gemma4Model), "gpt_oss": (GptOssConfig
 #: model types of these families that are not served here, and why
 _REFUSED = {
     "gemma4": "Gemma4ForConditionalGeneration: its image and audio towers are not built",
-    "gemma4_assistant": "the Gemma 4 assistant (drafter) checkpoint is not loadable yet",
+    "gemma4_assistant": "a Gemma 4 assistant drafts for its Gemma 4 target: serve the target with "
+                        "--speculative-model pointing at the assistant",
 }
 
 
@@ -54,8 +56,9 @@ def is_gpt_oss_gguf(path: Path) -> bool:
     return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
 
 
-def _build(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
-    if config.tie_word_embeddings:
+def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device) -> nn.Module:
+    """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), float32 on ``device``."""
+    if getattr(config, "tie_word_embeddings", True):
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = model_cls(config)
@@ -71,7 +74,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     or of a gpt-oss GGUF file."""
     if is_gpt_oss_gguf(path):
         config, state, meta = read_gpt_oss_gguf(path)
-        return _build(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
+        return load_module(GptOssModel, config, state, path, device), TextTokenizer.from_gguf_metadata(meta)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
@@ -83,7 +86,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu") -> tuple[
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return _build(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
+    return load_module(model_cls, config, load_hf_state_dict(path), path, device), tokenizer
 
 
 def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
@@ -92,4 +95,10 @@ def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRunti
     name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
     log.info("loaded %s (%s, %d layers, hidden %d; float32)", name, type(model).__name__, model.config.num_layers,
              model.config.hidden_size)
-    return TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)
+    runtime = TextRuntime(model=model, tokenizer=tokenizer, caps=caps, config=config, model_name=name)
+    if caps.speculation is not None:
+        from ifb_plugins.text.drafting import build_drafter
+
+        runtime.drafter, speculation = build_drafter(config, caps.speculation, runtime)
+        runtime.caps = attrs.evolve(caps, speculation=speculation)
+    return runtime

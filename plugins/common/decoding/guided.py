@@ -258,9 +258,7 @@ class GuidedDecoder:
         for i, seat in enumerate(seats):
             state = self._matcher_for(seat)
             if state.matcher.is_stopped():
-                # complete: nothing but the end may follow
-                for eos in self.tokenizer.eos_token_ids:
-                    bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+                self._allow_only_eos(bitmask[i])  # complete: nothing but the end may follow
             else:
                 live.append((state.matcher, i))
         if len(live) == 1:
@@ -285,17 +283,43 @@ class GuidedDecoder:
         if missing:
             bitmask, index = self._compute([seat for _, seat in rows]), {s.request_id: i for i, (_, s) in enumerate(rows)}
         start = time.perf_counter_ns()
-        width = logits.shape[1]
         for row, seat in rows:
-            # one bit per token, least significant first; inverted, so a set bit forbids
-            bits = bitmask[index[seat.request_id]]
-            forbidden = np.unpackbits(~bits.view(np.uint8), count=width, bitorder="little").view(np.bool_)
-            if logits.device.type == "cpu" and logits.dtype == torch.float32:
-                # numpy masks in one thread: torch's parallel masked_fill_ stalls on a busy CPU
-                np.copyto(logits[row].numpy(), -np.inf, where=forbidden)
-            else:
-                logits[row].masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
+            _forbid(logits[row], bitmask[index[seat.request_id]])
         self.stats.mask_ns += time.perf_counter_ns() - start
+
+    def mask_drafted(self, logits: torch.Tensor, seat: Seat, drafts: Sequence[int]) -> int:
+        """For a guided seat verifying ``drafts`` on its ``len(drafts) + 1`` rows of ``logits``: how many
+        leading drafts its grammar allows (``n``), with rows ``0..n`` masked in place, row ``j`` by what the
+        grammar allows after the first ``j`` drafts. A draft the grammar forbids could never be accepted
+        (its row's mask removes it), so the rows past it are left alone and the caller verifies only the
+        first ``n``. The matcher ends where it started: ``advance`` feeds it what the verification emits.
+        The seat must not be in a pending ``prefetch``."""
+        start = time.perf_counter_ns()
+        matcher = self._matcher_for(seat).matcher
+        n = 0 if matcher.is_stopped() else matcher.validate_tokens(list(drafts))
+        bitmask = np.zeros((n + 1, (self.ll_tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        consumed = 0
+        try:
+            for j in range(n + 1):
+                if matcher.is_stopped():
+                    self._allow_only_eos(bitmask[j])
+                else:
+                    matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, bitmask[j].nbytes)
+                if j < n:
+                    if not matcher.consume_token(drafts[j]):
+                        raise RuntimeError(f"guided decoding lost track of the grammar: {matcher.get_error()}")
+                    consumed += 1
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+        for j in range(n + 1):
+            _forbid(logits[j], bitmask[j])
+        self.stats.mask_ns += time.perf_counter_ns() - start
+        return n
+
+    def _allow_only_eos(self, bits: np.ndarray) -> None:
+        for eos in self.tokenizer.eos_token_ids:
+            bits.view(np.uint32)[eos // 32] |= np.uint32(1 << (eos % 32))
 
     def advance(self, rows: Sequence[tuple[Seat, int]]) -> None:
         """Feed each guided sequence's sampled token to its matcher."""
@@ -330,6 +354,17 @@ class GuidedDecoder:
                 raise RuntimeError(f"guided decoding lost track of the grammar: {state.matcher.get_error()}")
             state.num_consumed += 1
         return state
+
+
+def _forbid(row: torch.Tensor, bits: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of ``row [V]`` whose bit in ``bits`` (one per token, least
+    significant first) is clear."""
+    forbidden = np.unpackbits(~bits.view(np.uint8), count=row.shape[0], bitorder="little").view(np.bool_)
+    if row.device.type == "cpu" and row.dtype == torch.float32:
+        # numpy masks in one thread: torch's parallel masked_fill_ stalls on a busy CPU
+        np.copyto(row.numpy(), -np.inf, where=forbidden)
+    else:
+        row.masked_fill_(torch.from_numpy(forbidden).to(row.device), float("-inf"))
 
 
 def _done(value) -> concurrent.futures.Future:

@@ -17,6 +17,10 @@ temperature, top-k, top-p, min-p. Then:
   bonus token is drawn from the last row. Every emitted token then follows the
   request's own distribution ``p`` exactly (Leviathan et al., 2023, with q one-hot).
 
+A guided request's rows are masked as plain guided decoding masks them, row
+``j`` by its grammar after the first ``j`` drafts (``GuidedDecoder.mask_drafted``),
+so a drafted token outside the grammar is never emitted.
+
 Seeded requests draw from per-position generators (seed, output index), so a
 seeded request's output depends on its drafts but never on its batch mates.
 """
@@ -173,9 +177,15 @@ def verify_step(
             for (i, _), s, r in zip(plain, picked, samples):
                 results[i] = SeqOutput(s.request_id, r.token_id, r.logprob, r.top_logprobs)
         for i, r in drafted:
-            seat, d = seats[i], drafts[i]
-            tokens = verify_drafts(logits[r:r + len(d) + 1], seat.params, seat.all_token_ids, seat.num_prompt_tokens,
-                                   d, argmax=argmax)
+            seat, d = seats[i], tuple(drafts[i])
+            is_guided = guided is not None and guided.applies_to(seat)
+            valid = d
+            if is_guided:  # each row masked by its grammar state; drafts past a forbidden one are never judged
+                valid = d[:guided.mask_drafted(logits[r:r + len(d) + 1], seat, d)]
+            tokens = verify_drafts(logits[r:r + len(valid) + 1], seat.params, seat.all_token_ids,
+                                   seat.num_prompt_tokens, valid, argmax=argmax)
+            if is_guided:
+                guided.advance([(seat, t.token_id) for t in tokens])
             final = tokens[-1]
             results[i] = SeqOutput(seat.request_id, final.token_id, final.logprob, final.top_logprobs,
                                    accepted=tuple(tokens[:-1]), num_drafted=len(d))

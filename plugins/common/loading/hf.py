@@ -30,12 +30,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return found
 
 
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, in float32 (our reference numerics)."""
+def load_hf_state_dict(path: str | Path, *, keeps_integers: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint in float32 (our reference numerics); with ``keeps_integers``, integer
+    ones (indices, such as a token ordering) as they are."""
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         for name, tensor in load_file(str(file)).items():
-            state[name] = tensor.float()
+            state[name] = tensor if keeps_integers and not tensor.is_floating_point() else tensor.float()
     return state
 
 

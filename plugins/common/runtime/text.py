@@ -179,10 +179,8 @@ class TextRuntime:
         state = TextRequestState(grammar=self.guided.compile(spec.extras.get("response_format"), after=spec.thinking),
                                  lora=lora, is_capturing_system_prompt=is_capturing)
         # an adapter changes every layer's KV: the context cache keys its blocks apart
-        # a grammar's matcher advances one sampled token at a time, so its drafts are never verified
         return Prepared(tuple(ids), state, kv_salt=lora.kv_salt if lora else None,
-                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0,
-                        supports_drafts=state.grammar is None)
+                        num_pinned_tokens=system_prefix_length(self.tokenizer, spec, ids) if is_capturing else 0)
 
     def render_chat(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, messages)
@@ -244,8 +242,7 @@ class TextRuntime:
     def _speculate(self, step: ScheduledStep, seats: list[Seat]) -> StepOutput:
         """Draft for the seats given room, then run and verify the step with the drafts in it."""
         seqs = step.seqs
-        asked = [i for i, s in enumerate(seqs) if s.num_draft_tokens and s.is_sampling
-                 and (seats[i].state is None or seats[i].state.grammar is None)]
+        asked = [i for i, s in enumerate(seqs) if s.num_draft_tokens and s.is_sampling]
         wants_hidden = self.drafter.needs_hidden_states
         results = self.drafter.propose([DraftRequest(
             seqs[i].request_id, seats[i].token_ids, seqs[i].num_draft_tokens, seats[i].block_ids,
@@ -262,7 +259,8 @@ class TextRuntime:
             attrs.evolve(s, token_ids=s.token_ids + d) if d else s for s, d in zip(seqs, drafts)))
         groups = step_groups([getattr(seat.state, "lora", None) for seat in seats],
                              [len(s.token_ids) for s in verified.seqs], self.device)
-        self.guided.prefetch([seat for s, seat in zip(seqs, seats) if s.is_sampling])
+        # a drafting guided seat's masks follow its drafts (``verify_step``), computed after the forward
+        self.guided.prefetch([seat for s, seat, d in zip(seqs, seats, drafts) if s.is_sampling and not d])
         try:
             with self.lora.step(groups):
                 hidden = self._hidden(verified, seats)

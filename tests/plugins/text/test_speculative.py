@@ -64,8 +64,14 @@ SOURCES = {
 def test_greedy_output_is_bit_identical_with_drafts(models, source, mode):
     target, options = SOURCES[source]
     options = options(models) if callable(options) else options
-    plain, _ = run(models[target], mode)
-    got, health = run(models[target], mode, speculative_policy="always", **options)
+    assert_same_with_drafts(models[target], mode, speculative_policy="always", **options)
+
+
+def assert_same_with_drafts(model: Path, mode: str, **options) -> None:
+    """``run`` with and without ``options``' drafts: the same tokens and texts, logprobs within 1e-4, drafts
+    accepted, and (batched) the joins or preemptions the mode is about."""
+    plain, _ = run(model, mode)
+    got, health = run(model, mode, **options)
     assert [(tokens, text) for tokens, text, _ in got] == [(tokens, text) for tokens, text, _ in plain]
     for (_, _, lp_got), (_, _, lp_plain) in zip(got, plain):
         assert lp_got == pytest.approx(lp_plain, abs=1e-4)
@@ -120,10 +126,42 @@ def test_a_draft_failure_at_run_time_fails_only_that_requests_drafting(models):
     assert health["speculative_decoding"]["draft_failures"] >= 1 and health["scheduling"]["failed"] == 0
 
 
-def test_a_guided_request_is_never_drafted_for(models):
-    with LLM(str(models["target"]), speculative_method="ngram", speculative_policy="always") as llm:
-        out = llm.generate("The quick", SamplingParams(temperature=0.0, max_tokens=8),
-                           response_format={"type": "regex", "regex": "[ab]{8}"})
-        health = llm.health()["speculative_decoding"]
-    assert health["drafted"] == 0
-    assert set(out[0].text) <= {"a", "b"}
+GUIDED = [
+    {"type": "regex", "regex": "(ab){6}c(ab){6}"},
+    {"type": "json_schema", "json_schema": {"name": "pair", "schema": {
+        "type": "object", "properties": {"aa": {"type": "string", "enum": ["xx", "yy"]},
+                                         "ab": {"type": "string", "enum": ["xx", "yy"]}},
+        "required": ["aa", "ab"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("mode", ["alone", "joins"])
+def test_guided_requests_draft_and_stay_exact(models, mode):
+    """Guided requests are drafted for and verified row by row under their grammar: the output equals
+    guided decoding without drafts (greedy), drafts are accepted, and every output fits its grammar."""
+    import json
+    import re
+
+    def serve(**options):
+        kw = {}
+        if mode == "joins":
+            kw = dict(enable_in_flight_batching=True, max_batch_size=4, max_num_batched_tokens=16)
+        specs = [RequestSpec(prompt_token_ids=tuple(p), params=SamplingParams(temperature=0.0, max_tokens=40),
+                             extras={"response_format": fmt}) for p, fmt in zip(PROMPTS, GUIDED * 2)]
+        with LLM(str(models["target"]), **kw, **options) as llm:
+            if mode == "joins":
+                results = submit_staggered(llm.engine, specs, gap_steps=1)
+            else:
+                results = [llm.engine.submit(s).result() for s in specs]
+            return [(r.token_ids, r.text) for r in results], llm.health()
+
+    plain, _ = serve()
+    got, health = serve(speculative_method="ngram", ngram_min=1, ngram_max=3, speculative_policy="always")
+    assert got == plain
+    for (_, text), fmt in zip(got, GUIDED * 2):
+        if fmt["type"] == "regex":
+            assert re.fullmatch(fmt["regex"], text), text
+        else:
+            assert set(json.loads(text)) == {"aa", "ab"}
+    spec = health["speculative_decoding"]
+    assert spec["drafted"] > 0 and spec["accepted"] > 0 and spec["draft_failures"] == 0
