@@ -16,8 +16,10 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         # a few prompt tokens give the decoder the context it needs for leading spaces
         self._ids: list[int] = list(prompt_token_ids[-4:])
         self._prefix_offset = 0
@@ -36,6 +38,9 @@ class IncrementalDetokenizer:
         #: tokens fed whose text lies wholly in or after a stop string
         self.num_dropped = 0
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
     def add(self, token_id: int, item: object = None) -> None:
         """Feed one generated token; sets ``stopped`` when a stop string appeared.
 
@@ -47,8 +52,8 @@ class IncrementalDetokenizer:
         self._starts.append(len(self.text))
         self._items.append((token_id, item))
         self._ids.append(token_id)
-        before = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        after = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
             new = after[len(before):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
@@ -92,8 +97,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """Decode whatever is pending even if it ends mid-character (end of generation)."""
-        pending = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        before = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        pending = self._decode(self._ids[self._prefix_offset:])
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
         if len(pending) > len(before) and not self.stopped:
             self._append(pending[len(before):])
             self._prefix_offset = self._read_offset = len(self._ids)

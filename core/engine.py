@@ -114,7 +114,8 @@ def new_request(runtime: Runtime, spec: RequestSpec, on_cancel=None, index: int 
         num_unsalted_tokens=prepared.num_unsalted_tokens,
         is_served_whole=prepared.is_served_whole, num_pinned_tokens=prepared.num_pinned_tokens,
         supports_drafts=prepared.supports_drafts,
-        detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop),
+        detok=IncrementalDetokenizer(runtime.tokenizer, prompt_ids, spec.params.stop,
+                                    spec.params.skip_special_tokens),
         eos_token_ids=tuple(runtime.tokenizer.eos_token_ids), index=index,
     )
 
@@ -142,7 +143,8 @@ def fan_out(request: Request, tokenizer, *, shares_prefill: bool = False) -> lis
             request_id=f"{request.request_id}-{i}", spec=spec, prompt_token_ids=list(request.prompt_token_ids),
             max_tokens=request.max_tokens, handle=request.handle, state=request.state, kv_salt=request.kv_salt,
             num_unsalted_tokens=request.num_unsalted_tokens, num_pinned_tokens=request.num_pinned_tokens,
-            detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop),
+            detok=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, spec.params.stop,
+                                         spec.params.skip_special_tokens),
             eos_token_ids=request.eos_token_ids, arrival_time=request.arrival_time, index=i, group=group,
             founder_only=request.founder_only, runs_alone=request.runs_alone,
             supports_drafts=request.supports_drafts,

@@ -46,6 +46,8 @@ class SamplingParams:
     n: int = 1
     #: candidates generated for the n returned: those with the highest cumulative logprob (None: n)
     best_of: int | None = None
+    #: False: special tokens stay in the output text (a channel format such as harmony is parsed from them)
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first out-of-range field."""
@@ -94,6 +96,10 @@ class ThinkingBlock:
     start: str = "<think>"
     end: str = "</think>"
     is_open: bool = False
+    #: the output is a sequence of channel messages (OpenAI's harmony format: the ``analysis`` channel is
+    #: thinking, ``final`` the answer, a ``commentary`` message to ``functions.NAME`` a tool call);
+    #: ``start`` and ``end`` are then the analysis message's header and end
+    has_channels: bool = False
 
 
 @attrs.frozen

@@ -153,6 +153,11 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
     guided = _response_format(body.response_format)
     if guided is not None:
         extras["response_format"] = guided
+    reasoning = reasoning or thinking.Reasoning(parser="none")
+    has_channels = reasoning.parser == "harmony"
+    if has_channels and guided is not None:
+        raise ApiError(400, "response_format is not supported with the harmony chat format (its answer is "
+                            "a channel message the grammar cannot start inside)", param="response_format")
     for i, modality in enumerate(body.modalities or ()):
         if modality not in _MODALITIES:
             raise ApiError(400, f"unknown modality {modality!r} (text or audio)", param=f"modalities[{i}]")
@@ -166,6 +171,9 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
     messages = [_message(m, i, takes_media) for i, m in enumerate(body.messages)]
     if plan is not None:
         grammar = tools.forcing_grammar(plan)
+        if grammar is not None and has_channels:
+            raise ApiError(400, "tool_choice required or a named function is not supported with the harmony "
+                                "chat format (use auto)", param="tool_choice")
         if grammar is not None:
             if guided is not None:
                 raise ApiError(400, "tool_choice required or a named function cannot be combined with "
@@ -175,12 +183,16 @@ def chat_request(body: ChatCompletionRequest, extras: dict[str, Any], *, templat
             extras["tools"] = [converter.unstructure(t) for t in plan.tools]
     if plan is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
         messages = tools.render_messages(messages, plan)
-    reasoning = reasoning or thinking.Reasoning(parser="none")
+    if has_channels:  # gpt-oss's template looks into any content it is given: a call's null is left out
+        messages = [{k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages]
     choice = choice or thinking.effort_choice(body.reasoning_effort, "reasoning_effort")
     kwargs = thinking.template_kwargs(reasoning, choice, body.chat_template_kwargs)
+    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    if has_channels:  # the format's markers are special tokens the answer is split by
+        params = attrs.evolve(params, skip_special_tokens=False)
     spec = RequestSpec(
         messages=tuple(messages),
-        params=_sampling(body, max_tokens=max_tokens, logprobs=logprobs),
+        params=params,
         stream=body.stream, extras=extras, past_trajectory=trajectory, chat_template_kwargs=kwargs,
         thinking=thinking.thinking_block(reasoning, kwargs), speculative=body.speculative,
     )
@@ -249,6 +261,12 @@ def _message(message: ChatMessage, index: int, takes_media: bool) -> dict[str, A
     out: dict[str, Any] = {"role": role, "content": _content(message.content, index, takes_media)}
     if message.name is not None:
         out["name"] = message.name
+    if message.reasoning_content is not None:
+        if role != "assistant":
+            raise ApiError(400, "only assistant messages carry reasoning_content",
+                           param=f"messages[{index}].reasoning_content")
+        # Qwen3's templates read ``reasoning_content``, gpt-oss's ``thinking``
+        out["reasoning_content"] = out["thinking"] = message.reasoning_content
     if message.tool_calls:
         out["tool_calls"] = [converter.unstructure(c) for c in message.tool_calls]
     if message.tool_call_id is not None:

@@ -9,12 +9,16 @@
 * ``auto`` (the default): none when the chat template never writes
   ``<think>``; else ``deepseek_r1`` when its generation prompt ends inside an
   open block, ``qwen3`` otherwise;
+* ``harmony``: OpenAI's harmony format (gpt-oss): the ``analysis`` channel is
+  the thinking, ``final`` the answer (``ifb.server.harmony``); ``auto`` picks
+  it for a template that writes the format;
 * ``none``: the output is all answer.
 
 Per request, ``enable_thinking`` (``chat_template_kwargs``), ``reasoning_effort``
 and the Responses and Messages APIs' own fields become the template's thinking
 switch (``enable_thinking``), where the template has one; ``reasoning_effort``
-also reaches a template that reads it. With thinking switched off the parser
+also reaches a template that reads it (the harmony format knows ``low``,
+``medium`` and ``high``: ``none`` and ``minimal`` become ``low``). With thinking switched off the parser
 is off for that request. Guided decoding starts after the block
 (``RequestSpec.thinking``).
 """
@@ -26,9 +30,10 @@ from typing import Any
 import attrs
 
 from ifb.params import ThinkingBlock
+from ifb.server import harmony
 from ifb.server.errors import ApiError
 
-PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+PARSERS = ("auto", "qwen3", "deepseek_r1", "harmony", "none")
 START, END = "<think>", "</think>"
 #: reasoning efforts (OpenAI's words); ``none`` and ``minimal`` switch thinking off where the template can
 EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -40,7 +45,7 @@ RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_
 class Reasoning:
     """The deployment's reasoning set-up, decided at start-up from the flag and the chat template."""
 
-    parser: str  # qwen3 | deepseek_r1 | none
+    parser: str  # qwen3 | deepseek_r1 | harmony | none
     #: the template reads ``enable_thinking`` (Qwen3's switch)
     has_switch: bool = False
     #: the template reads ``reasoning_effort``
@@ -65,7 +70,9 @@ def detect(choice: str, template: str | None, render=None) -> Reasoning:
     parser = choice
     if choice == "auto":
         parser = "none"
-        if START in template and END in template:
+        if harmony.template_speaks(template):
+            parser = "harmony"
+        elif START in template and END in template:
             opened = False
             if render is not None:
                 try:
@@ -106,12 +113,17 @@ def template_kwargs(reasoning: Reasoning, choice: ThinkingChoice,
     if enabled is not None and reasoning.has_switch:
         kwargs["enable_thinking"] = enabled
     if choice.effort is not None and reasoning.reads_effort:
-        kwargs.setdefault("reasoning_effort", choice.effort)
+        effort = choice.effort
+        if reasoning.parser == "harmony" and effort in ("none", "minimal"):
+            effort = "low"
+        kwargs.setdefault("reasoning_effort", effort)
     return kwargs
 
 
 def thinking_block(reasoning: Reasoning, kwargs: dict[str, Any]) -> ThinkingBlock | None:
     """The block a request's answer may start with (None: the parser is off for it)."""
+    if reasoning.parser == "harmony":
+        return harmony.BLOCK  # the format's channels are there whatever the effort
     if not reasoning.is_on or (reasoning.has_switch and kwargs.get("enable_thinking") is False):
         return None
     return ThinkingBlock(START, END, is_open=reasoning.parser == "deepseek_r1")

@@ -90,6 +90,8 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    #: an earlier answer's thinking, as this server returned it (templates that render it get it back)
+    reasoning_content: str | None = None
 
 
 @attrs.frozen

@@ -7,7 +7,9 @@ calls are parsed in the format it teaches the model:
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen);
 * ``llama3``: a bare JSON object ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``, several separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS]`` and a JSON array of ``{"name": ..., "arguments": {...}}``.
+* ``mistral``: ``[TOOL_CALLS]`` and a JSON array of ``{"name": ..., "arguments": {...}}``;
+* ``harmony``: a ``commentary`` message to ``functions.NAME`` whose body is the arguments
+  (gpt-oss; split with the rest of the answer's channels, ``ifb.server.harmony``).
 
 A template that does not read ``tools`` (SmolLM2's, for one) gets them in a
 system message, ``SYSTEM_PROMPT``, that teaches the ``hermes`` format.
@@ -26,9 +28,10 @@ from typing import Any
 
 import attrs
 
+from ifb.server import harmony
 from ifb.server.errors import ApiError
 
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
 
 SYSTEM_PROMPT = """# Tools
 
@@ -57,6 +60,8 @@ def call_format(template: str | None) -> str:
     """The tool-call format the loaded template teaches (``hermes`` when it teaches none)."""
     if not template_reads_tools(template):
         return HERMES
+    if harmony.template_speaks(template):
+        return HARMONY
     if "[TOOL_CALLS]" in template:
         return MISTRAL
     if "<tool_call>" in template:

@@ -55,3 +55,83 @@ def save_tiny_gpt_oss(directory: str | Path, seed: int = 0, chat_template: str =
         "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
         "model_max_length": 4096}, indent=2))
     return directory
+
+
+#: the harmony format's markers, special tokens of the tiny tokenizer as of o200k_harmony
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+#: the released checkpoints' chat template, as llama.cpp keeps it
+HARMONY_TEMPLATE = "openai-gpt-oss-120b"
+
+
+def save_tiny_harmony_gpt_oss(directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """The tiny gpt-oss with the released chat template and the harmony markers as special tokens;
+    ``<|return|>`` and ``<|call|>`` end a sequence, as in the released generation config."""
+    from tokenizers import AddedToken
+
+    from tests.models.llama_cpp import chat_template
+
+    tok = train_tiny_tokenizer(vocab_size=300)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    ends = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
+    directory = save_tiny_gpt_oss(directory, seed=seed, chat_template=chat_template(HARMONY_TEMPLATE),
+                                  eos_token_id=ends, **overrides)
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|return|>"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def _date_variants(prompt: str, count: int) -> list[str]:
+    """The prompt as rendered on other days (the template writes today's date into it)."""
+    import re
+
+    gen = torch.Generator().manual_seed(7)
+    out = [prompt]
+    for _ in range(count):
+        y, m, d = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in ((2025, 2031), (1, 13), (1, 29)))
+        out.append(re.sub(r"Current date: \d{4}-\d{2}-\d{2}", f"Current date: {y}-{m:02d}-{d:02d}", prompt))
+    return out
+
+
+def fit_head_to_answer(directory: str | Path, pairs: list[tuple[str, str]], steps: int = 3000) -> None:
+    """Refit the saved model's output head so that greedy decoding of each prompt writes its completion
+    (text with the special tokens spelled out, ending in an end-of-sequence marker); save it again.
+
+    Everything but ``lm_head`` stays random (the head is not tied to the embeddings), so the final hidden
+    states are the random model's own: a linear head over them is fitted by cross-entropy, with each
+    prompt also rendered on other dates (the system message has today's), so the answers hold any day.
+    """
+    from transformers import AutoTokenizer, GptOssForCausalLM
+
+    directory = Path(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = GptOssForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    features, labels = [], []
+    with torch.no_grad():
+        for prompt, completion in pairs:
+            target = tokenizer.encode(completion, add_special_tokens=False)
+            for variant in _date_variants(prompt, 1):
+                prompt_ids = tokenizer.encode(variant, add_special_tokens=False)
+                hidden = model.model(torch.tensor([prompt_ids + target])).last_hidden_state[0]
+                features.append(hidden[len(prompt_ids) - 1:-1])
+                labels.append(torch.tensor(target))
+    x, y = torch.cat(features), torch.cat(labels)
+    head = torch.zeros_like(model.lm_head.weight, requires_grad=True)
+    optim = torch.optim.Adam([head], lr=0.05)
+    for _ in range(steps):
+        optim.zero_grad()
+        logits = x @ head.T
+        right = logits.gather(1, y[:, None])[:, 0]
+        wrong = logits.scatter(1, y[:, None], float("-inf")).max(-1).values
+        # a wide margin: the engine's float32 arithmetic differs from transformers' in the last bits
+        if bool((right - wrong > 4.0).all()):
+            break
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        optim.step()
+    else:
+        raise AssertionError("the head could not be fitted with a wide margin")
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(directory)

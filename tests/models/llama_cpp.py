@@ -75,10 +75,10 @@ def _sdist_url() -> str:
     raise RuntimeError(f"{page_url} lists no {name}")
 
 
-def converter_dir() -> Path:
-    """The extracted converter of llama-cpp-python ``VERSION`` (fetched from PyPI on first use)."""
-    target = cache_root() / f"llama-cpp-converter-{VERSION}"
-    if (target / "convert_hf_to_gguf.py").exists():
+def _extract(target: Path, members: tuple[str, ...], marker: str) -> Path:
+    """``members`` (prefixes under the sdist's llama.cpp) extracted into ``target`` once; ``marker`` a file
+    the extraction has when it is complete."""
+    if (target / marker).exists():
         return target
     with urllib.request.urlopen(_sdist_url(), timeout=600) as r:
         data = r.read()
@@ -88,18 +88,31 @@ def converter_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, tarfile.open(fileobj=io.BytesIO(data)) as sdist:
         wanted = [m for m in sdist.getmembers() if m.isfile() and m.name.startswith(VENDOR)
-                  and m.name[len(VENDOR):].startswith(MEMBERS)]
+                  and m.name[len(VENDOR):].startswith(members)]
         for member in wanted:
             member.name = member.name[len(VENDOR):]
         sdist.extractall(tmp, members=wanted, filter="data")
         try:
             os.replace(tmp, target)  # atomic: a concurrent session sees none or all of it
         except OSError:
-            if not (target / "convert_hf_to_gguf.py").exists():
+            if not (target / marker).exists():
                 raise
         else:
             os.mkdir(tmp)  # the context manager removes what it made
     return target
+
+
+def converter_dir() -> Path:
+    """The extracted converter of llama-cpp-python ``VERSION`` (fetched from PyPI on first use)."""
+    return _extract(cache_root() / f"llama-cpp-converter-{VERSION}", MEMBERS, "convert_hf_to_gguf.py")
+
+
+def chat_template(name: str) -> str:
+    """A released checkpoint's chat template as llama.cpp keeps it for its own tests
+    (``models/templates/NAME.jinja`` in the same sdist)."""
+    target = _extract(cache_root() / f"llama-cpp-templates-{VERSION}", ("models/templates/",),
+                      f"models/templates/{name}.jinja")
+    return (target / "models" / "templates" / f"{name}.jinja").read_text()
 
 
 def convert(jobs: Sequence[tuple[Path, Path, str]], pre_tokenizer: str = "smollm") -> None:
