@@ -63,7 +63,7 @@ PUBLIC_MODULES = (
     "loading.checkpoint", "loading.hf", "loading.gguf", "quant.linear", "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
-    "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",
+    "media.qwen3_vl_vision", "media.qwen3_audio", "media.gemma4_vision", "decoding.speculative", "speculative.drafter",
     "speculative.ngram", "speculative.draft_model",
 )
 
