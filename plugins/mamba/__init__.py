@@ -1,5 +1,5 @@
 """The mamba plugin: hybrid recurrent / attention decoders (Nemotron-H and Nemotron 3, Bamba, Granite 4.0
-hybrid; Qwen3.5 with Gated DeltaNet layers) under in-flight batching.
+hybrid; Qwen3.5 with Gated DeltaNet layers, and its image-text model) under in-flight batching.
 
 Each seat holds its own conv and SSM state beside the paged attention KV;
 joiners prefill in place. Under ``--enable-context-reuse`` the runtime keeps
@@ -92,4 +92,4 @@ def ifb_deployment_kinds():
         load=load, settings=frozenset({"served_model_name", "max_model_len", "device", "hybrid_checkpoint_interval",
                                                  "allowed_local_media_path"}),
         description="Hybrid Mamba-2 or Gated DeltaNet / attention decoder from a Hugging Face Nemotron-H (and "
-                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]
+                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE; text or image-text, images through Qwen3-VL's vision tower) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

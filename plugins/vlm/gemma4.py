@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ifb.params import InvalidRequest
+from ifb_plugins.common.media.gemma4_audio import Gemma4AudioConfig, Gemma4AudioFeatures, Gemma4AudioTower
 from ifb_plugins.common.media.gemma4_vision import Gemma4ImageProcessing, Gemma4VisionConfig, Gemma4VisionTower
 from ifb_plugins.common.media.gemma4_vision import RMSNorm
 from ifb_plugins.common.media.parts import MediaItem
@@ -82,6 +83,55 @@ class Gemma4ImageEncoder:
         return EncodedMedia(token_ids=ids, embed_token_id=self.placeholder_id, embeds=embeds, importance=importance)
 
 
+@attrs.define
+class Gemma4AudioEncoder:
+    """The feature extractor, the audio conformer and its embedder, for one clip."""
+
+    tower: Gemma4AudioTower
+    embedder: MultimodalEmbedder
+    features: Gemma4AudioFeatures
+    placeholder_id: int
+    begin_id: int
+    end_id: int
+    device: torch.device
+
+    @property
+    def sampling_rate(self) -> int:
+        return self.features.sampling_rate
+
+    def encode(self, item: MediaItem) -> EncodedMedia:
+        try:
+            features, mask = self.features(item.data)
+        except ValueError as exc:
+            raise InvalidRequest(f"this audio clip cannot be processed: {exc}") from None
+        soft = self.tower(torch.from_numpy(features).to(self.device), torch.from_numpy(mask).to(self.device))
+        if soft.shape[0] == 0:
+            raise InvalidRequest("this audio clip is too short to give any audio tokens")
+        embeds = self.embedder(soft)  # [N, H]
+        ids = (self.begin_id, *(self.placeholder_id,) * embeds.shape[0], self.end_id)
+        return EncodedMedia(token_ids=ids, embed_token_id=self.placeholder_id, embeds=embeds)
+
+
+def load_audio_encoder(path: Path, cfg: Mapping[str, Any], text_hidden: int, state: Mapping[str, dict],
+                       files: ProcessorFiles, tokenizer, device: torch.device) -> Gemma4AudioEncoder:
+    audio = Gemma4AudioConfig.from_hf(cfg["audio_config"])
+    kind = files.feature_extractor.get("feature_extractor_type")
+    if kind not in (None, "Gemma4AudioFeatureExtractor"):
+        raise ValueError(f"feature extractor {kind!r} is not supported for Gemma 4 (Gemma4AudioFeatureExtractor)")
+    features = Gemma4AudioFeatures.from_hf(files.feature_extractor)
+    if features.feature_size != audio.subsampling_conv_channels[0]:
+        raise ValueError(f"the feature extractor gives {features.feature_size} mel bins; the audio tower's "
+                         f"subsampling takes {audio.subsampling_conv_channels[0]}")
+    with torch.device("meta"):
+        tower = Gemma4AudioTower(audio)
+        embedder = MultimodalEmbedder(audio.output_proj_dims, text_hidden, audio.rms_norm_eps)
+    return Gemma4AudioEncoder(
+        load_module(tower, state["audio"], f"{path} (audio tower)", device),
+        load_module(embedder, state["embed_audio"], f"{path} (audio embedder)", device), features,
+        _token(tokenizer, cfg, "audio_token_id", "audio_token_id"), _token(tokenizer, cfg, "boa_token_id", "boa_token_id"),
+        _token(tokenizer, cfg, "eoa_token_index", "eoa_token_index"), device)
+
+
 def text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     text = dict(cfg.get("text_config") or {})
     if text.get("use_bidirectional_attention") == "vision":
@@ -131,8 +181,6 @@ def load(path: Path, device: torch.device) -> LoadedVlm:
             _token(tokenizer, cfg, "boi_token_id", "boi_token_id"),
             _token(tokenizer, cfg, "eoi_token_id", "eoi_token_id"), device)
     if cfg.get("audio_config") is not None:
-        from ifb_plugins.vlm.gemma4_audio import load_audio_encoder
-
         encoders["audio"] = load_audio_encoder(path, cfg, config.hidden_size, state, files, tokenizer, device)
     if not encoders:
         raise ValueError(f"{path}: a Gemma 4 image-text checkpoint without vision_config or audio_config")

@@ -37,6 +37,7 @@ CHAT_TEMPLATE = (
 )
 #: 4-pixel patches pooled 3x3: at most 70 soft tokens (transformers' smallest budget) of 12x12 pixels
 PATCH_SIZE, POOLING, MAX_SOFT_TOKENS = 4, 3, 70
+MEL_BINS = 32
 
 
 def tiny_config(*, audio: bool = True):
@@ -52,7 +53,9 @@ def tiny_config(*, audio: bool = True):
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=PATCH_SIZE, pooling_kernel_size=POOLING,
                   position_embedding_size=64, use_clipped_linears=True, standardize=True)
-    audio_cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[8, 4],
+    # the subsampling's first width is the mel bins (its projection takes width / 4 * second width inputs)
+    audio_cfg = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     subsampling_conv_channels=[MEL_BINS, 8],
                      conv_kernel_size=5, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
                      output_proj_dims=48, use_clipped_linears=True) if audio else None
     return Gemma4Config(text_config=text, vision_config=vision, audio_config=audio_cfg,
@@ -146,7 +149,7 @@ def save_tiny_gemma4_vlm(directory: str | Path, seed: int = 0, *, audio: bool = 
 
     with _without_video_processor():
         processor = Gemma4Processor(
-            feature_extractor=Gemma4AudioFeatureExtractor(), tokenizer=tokenizer, video_processor=None,
+            feature_extractor=Gemma4AudioFeatureExtractor(feature_size=MEL_BINS), tokenizer=tokenizer, video_processor=None,
             image_processor=Gemma4ImageProcessorPil(patch_size=PATCH_SIZE, pooling_kernel_size=POOLING,
                                                     max_soft_tokens=MAX_SOFT_TOKENS),
             chat_template=CHAT_TEMPLATE)

@@ -2,9 +2,10 @@
 
 The model is transformers' class (Gated DeltaNet and gated attention layers, interleaved M-RoPE, the
 Qwen3-VL-style tower without DeepStack), saved with ``save_pretrained``; the processor is transformers'
-``Qwen3VLProcessor`` (the one ``AutoProcessor`` picks for ``qwen3_5``) with its PIL image processor, saved
-with their own ``save_pretrained`` (the processor's own needs the video processor, hence torchvision). The tokenizer is the shared tiny BPE plus Qwen's vision tokens, with
-Qwen2-VL's chat template (the same image placeholders Qwen3.5's template renders).
+``Qwen3VLProcessor`` (the one ``AutoProcessor`` picks for ``qwen3_5``) with its PIL image processor, written
+by its own serialization (``to_json_file``; ``save_pretrained`` needs the video processor, hence
+torchvision). The tokenizer is the shared tiny BPE plus Qwen's vision tokens, with Qwen2-VL's chat
+template (the same image placeholders Qwen3.5's template renders).
 """
 
 from __future__ import annotations
@@ -92,7 +93,12 @@ def save_tiny_qwen3_5_vl(directory: str | Path, seed: int = 0, moe: bool = False
     tokenizer = tiny.tiny_tokenizer(*VISION_TOKENS)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(directory))
-    # the processor's own save needs its video processor (torchvision): its parts save themselves
-    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 24).save_pretrained(
-        str(directory))
+    from transformers import Qwen3VLProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 24)
+    with _without_video_processor():
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                     chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    # its own serialization, as save_pretrained writes processor_config.json (which needs the video processor)
+    processor.to_json_file(str(directory / "processor_config.json"))
     return directory

@@ -1,6 +1,7 @@
 """Gemma 4 (``Gemma4ForConditionalGeneration``) served through ``LLM(plugin="vlm")`` against transformers on the
-same tiny random checkpoint: the vision tower's features, prompts, first-step logits, greedy tokens with images,
-batched == alone with image requests joining mid-flight, and the chat endpoint with ``image_url`` parts."""
+same tiny random checkpoint: the vision and audio towers' features, prompts, first-step logits, greedy tokens
+with images and audio, batched == alone with media requests joining mid-flight, and the chat endpoint with
+``image_url`` and ``input_audio`` parts."""
 
 from __future__ import annotations
 
@@ -13,25 +14,56 @@ import torch
 from ifb import LLM, SamplingParams
 from ifb_plugins.common.media.parts import MediaItem
 
+from ifb.params import RequestSpec
+from ifb_plugins.common.media.parts import decode_wav
+
 from tests.helpers import one_seat_step, submit_staggered
-from tests.models.gemma4_vlm import IMAGE_TOKEN_ID, load_processor, save_tiny_gemma4_vlm
-from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, data_url, ours, picture, reference_inputs, trace
+from tests.models.gemma4_vlm import load_processor, save_tiny_gemma4_vlm
+from tests.models.media import audio_part, wav_bytes
+from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, data_url, picture, trace
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
 
-#: soft tokens are 12x12 pixels, at most 70 per image
+
+class clip:
+    """An audio part: WAV bytes, and the samples the server decodes them to (what the processor is given)."""
+
+    def __init__(self, seed: int, seconds: float) -> None:
+        self.raw = wav_bytes(seed, seconds)
+        self.samples = decode_wav(self.raw, "clip", 16000)
+
+
+#: soft tokens are 12x12 pixels (at most 70 per image) or 40 ms of audio
 PROMPTS = {
     "one image": ["What is in this picture?", picture(1, 64, 64)],
     "two images": [picture(2, 50, 100), "Compare it with", picture(3, 96, 64), "please."],
     "large, shrunk": [picture(4, 300, 500), "Describe it."],
+    "one clip": [clip(1, 0.7), "What is said here?"],
+    "image and audio": ["Does", clip(2, 0.45), "describe", picture(5, 40, 80), "?"],
     "text only": ["Tell me about a paged KV cache and sliding windows."],
 }
 
 
+def ours(parts, params=GREEDY) -> RequestSpec:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else audio_part(p.raw) if isinstance(p, clip) else
+               {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+    return RequestSpec(messages=({"role": "user", "content": content},), params=params)
+
+
+def reference_inputs(processor, parts):
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "audio" if isinstance(p, clip) else
+                                                                        "image"} for p in parts]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    images = [p for p in parts if not isinstance(p, (str, clip))]
+    audio = [p.samples for p in parts if isinstance(p, clip)]
+    return processor(text=[text], images=images or None, audio=audio or None, return_tensors="pt")
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return save_tiny_gemma4_vlm(tmp_path_factory.mktemp("gemma4"), seed=19, audio=False)
+    return save_tiny_gemma4_vlm(tmp_path_factory.mktemp("gemma4"), seed=19)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +98,18 @@ def test_vision_features_equal_transformers(llm, processor, reference, size):
     assert encoded.embeds.shape == expected.shape
     assert (encoded.embeds - expected).abs().max() <= 1e-4
     assert encoded.importance.shape == (expected.shape[0],)
+
+
+@pytest.mark.parametrize("seconds", [0.2, 0.77, 1.5])
+def test_audio_features_equal_transformers(llm, processor, reference, seconds):
+    samples = clip(7, seconds).samples
+    ref = processor.feature_extractor([samples], return_tensors="pt")
+    with torch.no_grad():
+        out = reference.model.get_audio_features(ref["input_features"], ref["input_features_mask"])
+    expected = out.pooler_output[0][out.attention_mask[0]]
+    encoded = llm.deployment.runtime.encoders["audio"].encode(MediaItem("audio", b"", samples))
+    assert encoded.embeds.shape == expected.shape
+    assert (encoded.embeds - expected).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -110,14 +154,9 @@ def test_image_requests_join_mid_flight_and_match_their_output_alone(llm):
     assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
 
 
-def test_chat_endpoint_answers_image_url_parts_as_transformers(llm, processor, reference):
+def test_chat_endpoint_answers_image_url_and_input_audio_parts_as_transformers(llm, processor, reference):
     from ifb.server import app as app_module
 
-    parts = PROMPTS["one image"]
-    inputs = reference_inputs(processor, parts)
-    with torch.no_grad():
-        out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
-    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     app = app_module.build_app(llm.deployment)
 
     async def post(content):
@@ -127,14 +166,20 @@ def test_chat_endpoint_answers_image_url_parts_as_transformers(llm, processor, r
                 "model": llm.deployment.runtime.model_name, "max_tokens": NUM_TOKENS, "temperature": 0,
                 "ignore_eos": True, "messages": [{"role": "user", "content": content}]})
 
-    good = asyncio.run(post([{"type": "text", "text": parts[0]},
-                             {"type": "image_url", "image_url": {"url": data_url(parts[1])}}]))
-    assert good.status_code == 200, good.text
-    assert good.json()["choices"][0]["message"]["content"] == expected
-    assert good.json()["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]
-    assert good.json()["usage"]["prompt_tokens"] > 64 + 2  # the soft tokens and their wrappers
+    for name in ("one image", "one clip"):
+        parts = PROMPTS[name]
+        inputs = reference_inputs(processor, parts)
+        with torch.no_grad():
+            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
+        expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        good = asyncio.run(post(list(ours(parts).messages[0]["content"])))
+        assert good.status_code == 200, good.text
+        assert good.json()["choices"][0]["message"]["content"] == expected, name
+        assert good.json()["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]
     bad = asyncio.run(post([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]))
     assert bad.status_code == 400 and "not an image" in bad.text
+    garbled = asyncio.run(post([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]))
+    assert garbled.status_code == 400
 
 
 def test_bidirectional_vision_attention_is_refused_naming_the_field(checkpoint, tmp_path):
