@@ -171,3 +171,9 @@ def test_chat_endpoint_answers_image_url_parts_as_transformers(llm, processor, r
     assert bad.status_code == 400 and "not an image" in bad.text
     audio = asyncio.run(post([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]))
     assert audio.status_code == 400 and "no audio input" in audio.text
+
+
+def test_blocking_path_serves_images_with_the_same_output(checkpoint, llm):
+    spec = ours(PROMPTS["two images"])
+    with LLM(str(checkpoint), plugin="mamba") as blocking:
+        assert trace(alone(blocking, spec)) == trace(alone(llm, spec))
