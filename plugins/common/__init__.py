@@ -46,8 +46,9 @@ kind of thing:
   ``MediaItem``), ``prompt`` (placeholders expanded at admission, embeddings spliced per step),
   ``mel`` (Whisper's log-mel features), ``image_ops`` and ``qwen2_5_vl_image`` (image
   preprocessing as the models' processors compute it), and the vision towers ``vision`` (CLIP /
-  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision``, and ``qwen3_audio`` (the Qwen3 audio encoder
-  Qwen3-Omni and Qwen3-ASR share).
+  SigLIP), ``qwen2_5_vl_vision`` and ``qwen3_vl_vision`` (Qwen3-VL's, and Qwen3.5's without DeepStack),
+  ``qwen3_audio`` (the Qwen3 audio encoder Qwen3-Omni and Qwen3-ASR share), and ``gemma4_vision`` /
+  ``gemma4_audio`` (Gemma 4's encoders with their preprocessing).
 
 Test fixtures (tiny reference-built checkpoints) live in the test tree (``tests/models``), not here.
 
@@ -70,7 +71,8 @@ PUBLIC_MODULES = (
     "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",
     "media.image_ops", "media.vision", "media.qwen2_5_vl_image", "media.qwen2_5_vl_vision",
-    "media.qwen3_vl_vision", "media.qwen3_audio", "decoding.speculative", "speculative.drafter",
+    "media.qwen3_vl_vision", "media.qwen3_audio", "media.gemma4_vision", "media.gemma4_audio",
+    "decoding.speculative", "speculative.drafter",
     "speculative.ngram", "speculative.draft_model", "speculative.assistant", "models.gemma4_assistant",
     "runtime.placement", "layers.triton_attention", "quant.triton_blocks", "quant.triton_parts",
 )

@@ -1,5 +1,5 @@
 """The mamba plugin: hybrid recurrent / attention decoders (Nemotron-H and Nemotron 3, Bamba, Granite 4.0
-hybrid; Qwen3.5 with Gated DeltaNet layers) under in-flight batching.
+hybrid; Qwen3.5 with Gated DeltaNet layers, and its image-text model) under in-flight batching.
 
 Each seat holds its own conv and SSM state beside the paged attention KV;
 joiners prefill in place. Under ``--enable-context-reuse`` the runtime keeps
@@ -21,7 +21,25 @@ MAX_BUILT_BATCH = 256
 
 
 
-def mamba_options() -> dict[str, OptionSupport]:
+IMAGE_REASON = ("No visual-token pruner is built for hybrid models: images are encoded at admission and image "
+                "requests join the running batch like any other.")
+
+
+def has_image_input(config: DeployConfig) -> bool:
+    """Whether the deployment's checkpoint is an image-text model (Qwen3.5's): its config.json has a vision_config."""
+    import json
+    from pathlib import Path
+
+    if not config.model:
+        return False
+    file = Path(config.model).expanduser() / "config.json"
+    try:
+        return "vision_config" in json.loads(file.read_text())
+    except (OSError, ValueError, TypeError):
+        return False  # a GGUF file, or no readable config: the loader names the problem
+
+
+def mamba_options(has_images: bool = False) -> dict[str, OptionSupport]:
     """Per-request option support of the hybrid runtime under in-flight batching."""
     return {
         # every row of a step samples with its own parameters (ifb_plugins.common.decoding.sampling)
@@ -37,7 +55,8 @@ def mamba_options() -> dict[str, OptionSupport]:
                                            "(--enable-context-reuse) reuses a shared prefix with its recurrent-state "
                                            "checkpoint."),
         "guided_decoding": OptionSupport(Support.NOT_APPLICABLE, reason="No guided decoder is built."),
-        "media_under_pruner": OptionSupport(Support.NOT_APPLICABLE, reason="Text input only."),
+        "media_under_pruner": OptionSupport(Support.SERVED, reason=IMAGE_REASON) if has_images else
+        OptionSupport(Support.NOT_APPLICABLE, reason="Text input only (the image-text Qwen3.5 checkpoints take images)."),
         "generate_audio": OptionSupport(Support.NOT_APPLICABLE, reason="Text output only."),
         "past_trajectory": OptionSupport(Support.NOT_APPLICABLE, reason="No trajectory execution is built."),
     }
@@ -52,7 +71,7 @@ def declare(config: DeployConfig) -> DeploymentCaps:
         num_ranks=config.num_ranks,
         # Proven on CPU by tests/plugins/mamba (batched greedy == alone, bit for bit); not on CUDA yet.
         batch_invariant_verified=device == "cpu",
-        options=mamba_options(), endpoints=dict(TEXT_ENDPOINTS),
+        options=mamba_options(has_image_input(config)), endpoints=dict(TEXT_ENDPOINTS),
         # tests/plugins/context_cache/test_hybrid.py: output with reuse == without, alone and batched
         supports_prefix_reuse=True,
     )
@@ -71,6 +90,7 @@ def load(config: DeployConfig):
 def ifb_deployment_kinds():
     return [DeploymentKind(
         name="mamba", plugin="mamba", title="Hybrid Mamba (Nemotron-H, Bamba, Granite 4.0 hybrid)", declare=declare,
-        load=load, settings=frozenset({"served_model_name", "max_model_len", "hybrid_checkpoint_interval"}),
+        load=load, settings=frozenset({"served_model_name", "max_model_len", "hybrid_checkpoint_interval",
+                                       "allowed_local_media_path"}),
         description="Hybrid Mamba-2 or Gated DeltaNet / attention decoder from a Hugging Face Nemotron-H (and "
-                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]
+                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE; text or image-text, images through Qwen3-VL's vision tower) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]

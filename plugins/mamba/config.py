@@ -83,6 +83,8 @@ class HybridConfig:
     #: RoPE on the leading ``rotary_dim`` channels of each head (0: no position embedding)
     rotary_dim: int = 0
     rope_theta: float = 10000.0
+    #: Qwen3.5's image-text model: interleaved M-RoPE over these runs of rotary frequencies (empty: plain RoPE)
+    mrope_section: tuple[int, ...] = ()
     #: attention logit scale (None: 1/sqrt(head_dim))
     attention_scale: float | None = None
     embedding_multiplier: float = 1.0
@@ -118,6 +120,9 @@ class HybridConfig:
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"the rotary width {self.rotary_dim} must be even and at most head_dim "
                               f"({self.head_dim})")
+        if self.mrope_section and 2 * sum(self.mrope_section) != self.rotary_dim:
+            raise ConfigError(f"mrope_section {list(self.mrope_section)} must sum to half the rotary width "
+                              f"({self.rotary_dim})")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                               f"num_local_experts ({self.num_experts})")

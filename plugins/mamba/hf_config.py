@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+import attrs
+
 from ifb_plugins.mamba.config import (ATTENTION, DELTANET, FFN_GRANITE, FFN_NONE, FFN_QWEN_MOE, FFN_SWIGLU, MAMBA,
                                       MLP, MOE, ConfigError, HybridConfig)
 
@@ -326,19 +328,31 @@ def read_qwen3_5(f: Fields) -> HybridConfig:
 
 READERS = {"nemotron_h": read_nemotron_h, "bamba": read_bamba, "granitemoehybrid": read_granite_hybrid,
            "qwen3_5_text": read_qwen3_5, "qwen3_5_moe_text": read_qwen3_5}
-#: image-text checkpoints whose text model this plugin could serve, and why it does not
-_REFUSED = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+#: image-text checkpoints: the decoder is their ``text_config``, with M-RoPE over the image grid
+IMAGE_TEXT_TYPES = ("qwen3_5", "qwen3_5_moe")
 #: config.json ``model_type`` values this plugin implements
-SUPPORTED_MODEL_TYPES = tuple(READERS)
+SUPPORTED_MODEL_TYPES = (*READERS, *IMAGE_TEXT_TYPES)
+
+
+def read_image_text(cfg: Mapping[str, Any]) -> HybridConfig:
+    """``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``: the decoder of
+    ``text_config`` with interleaved M-RoPE over ``rope_parameters.mrope_section``."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type") not in READERS:
+        raise ConfigError(f"config.json: text_config must be a {cfg.get('model_type')}_text config")
+    config = READERS[text["model_type"]](Fields(text))
+    section = (text.get("rope_parameters") or {}).get("mrope_section")
+    if not isinstance(section, (list, tuple)) or not section:
+        raise ConfigError("config.json: text_config.rope_parameters.mrope_section (M-RoPE) is missing")
+    return attrs.evolve(config, mrope_section=tuple(int(n) for n in section))
 
 
 def read_hf_config(cfg: Mapping[str, Any]) -> HybridConfig:
     """Build a ``HybridConfig`` from a parsed config.json; raises ``ConfigError`` naming the bad field."""
     f = Fields(cfg)
     model_type = cfg.get("model_type")
-    if model_type in _REFUSED:
-        raise ConfigError(f"model_type {model_type!r} ({_REFUSED[model_type]}, the image-text model) is not served: "
-                          f"its vision tower is not built here; the text models {model_type}_text are")
+    if model_type in IMAGE_TEXT_TYPES:
+        return read_image_text(cfg)
     if model_type not in READERS:
         raise ConfigError(f"model_type {model_type!r} is not a hybrid Mamba model this plugin implements "
                           f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")

@@ -30,6 +30,34 @@ class LoadedHybrid:
     state_dict: dict[str, torch.Tensor] = attrs.field(eq=False, repr=False)
     tokenizer: TextTokenizer = attrs.field(eq=False, repr=False)
     path: Path
+    #: an image-text checkpoint's vision tower (``model.visual.*``, prefix stripped); None for a text model
+    vision_state: dict[str, torch.Tensor] | None = attrs.field(default=None, eq=False, repr=False)
+    #: that checkpoint's parsed config.json (its ``vision_config`` and image token ids)
+    raw_config: dict | None = attrs.field(default=None, eq=False, repr=False)
+
+
+#: an image-text checkpoint's parts as transformers 5 saves them (and as the model's modules name them)
+_TEXT_PREFIX, _VISION_PREFIXES = "model.language_model.", ("model.visual.", "visual.")
+
+
+def split_image_text(state: dict[str, torch.Tensor], where: Path) -> tuple[dict, dict]:
+    """``(decoder, vision tower)`` weights: the decoder's under the text model's names (``model.*``,
+    ``lm_head.*``), the tower's without their prefix. A weight in neither part is an error."""
+    text, vision, stray = {}, {}, []
+    for name, tensor in state.items():
+        prefix = next((p for p in _VISION_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            vision[name[len(prefix):]] = tensor
+        elif name.startswith(_TEXT_PREFIX):
+            text["model." + name[len(_TEXT_PREFIX):]] = tensor
+        elif name.startswith("lm_head."):
+            text[name] = tensor
+        else:
+            stray.append(name)
+    if stray or not vision:
+        detail = f"unexpected weights {', '.join(sorted(stray)[:5])}" if stray else "no model.visual.* weights"
+        raise ValueError(f"{where}: not an image-text checkpoint as transformers saves it: {detail}")
+    return text, vision
 
 
 def load_hybrid_dir(path: str | Path | None) -> LoadedHybrid:
@@ -57,7 +85,11 @@ def load_hybrid_dir(path: str | Path | None) -> LoadedHybrid:
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
     tokenizer = TextTokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-    return LoadedHybrid(config, load_hf_state_dict(path), tokenizer, path)
+    state = load_hf_state_dict(path)
+    if "vision_config" not in raw:
+        return LoadedHybrid(config, state, tokenizer, path)
+    text, vision = split_image_text(state, path)
+    return LoadedHybrid(config, text, tokenizer, path, vision_state=vision, raw_config=raw)
 
 
 _LAYER = r"^model\.layers\.(\d+)\."

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ifb_plugins.common.layers.attention import write_kv
+from ifb_plugins.common.layers.mrope import section_rows
 from ifb_plugins.common.models.decoder import RMSNorm, apply_rope
 from ifb_plugins.mamba.attention import blockwise_attention
 from ifb_plugins.common.layers.moe import exp_sigmoid
@@ -75,10 +76,15 @@ def allocate_cache(config: HybridConfig, num_seats: int, num_blocks: int, block_
 
 
 class Rope:
-    """cos/sin of RoPE on the leading ``rotary_dim`` channels, per position, built as positions are reached."""
+    """cos/sin of RoPE on the leading ``rotary_dim`` channels, per position, built as positions are reached.
+
+    With ``mrope_section`` (Qwen3.5's image-text model) a token has three position ids (``mrope``) and
+    each rotary column takes its angle from the row ``section_rows`` assigns it, interleaved.
+    """
 
     def __init__(self, config: HybridConfig) -> None:
         d = config.rotary_dim
+        self.rows = section_rows(config.mrope_section, d, interleaved=True) if config.mrope_section else None
         # on the CPU whatever device the model is built on (it is built on "meta" and loaded in place)
         steps = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float()
         self.inv_freq = 1.0 / (config.rope_theta ** (steps / d))
@@ -86,7 +92,7 @@ class Rope:
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, rotary_dim]``, for ``positions [T]``."""
+        """``(cos, sin)``, each ``[T, rotary_dim]``, for ``positions [T]`` (or M-RoPE ids ``[3, T]``)."""
         needed = int(positions.max()) // _ROPE_PIECE + 1 if positions.numel() else 0
         while len(self.pieces) < needed:
             start = len(self.pieces) * _ROPE_PIECE
@@ -98,7 +104,12 @@ class Rope:
         if self.table is None or self.table[0].device != positions.device:
             self.table = tuple(torch.cat([p[k] for p in self.pieces]).to(positions.device) for k in (0, 1))
         cos, sin = self.table
-        return cos[positions], sin[positions]
+        if positions.dim() == 1:
+            return cos[positions], sin[positions]
+        if self.rows is None:
+            raise ValueError("three-row positions for a model without M-RoPE")
+        index = self.rows.to(positions.device).view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return cos[positions].gather(0, index)[0], sin[positions].gather(0, index)[0]  # [3, T, d] -> [T, d]
 
 
 class Attention(nn.Module):
@@ -221,15 +232,24 @@ class HybridModel(nn.Module):
             if hasattr(module, "row_invariant"):
                 module.row_invariant = enabled
 
-    def forward(self, input_ids: torch.Tensor, layout: StepLayout, cache: HybridCache) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]``, scaled as the first layer takes them."""
+        return self.backbone.embeddings(input_ids) * self.config.embedding_multiplier
+
+    def forward(self, input_ids: torch.Tensor, layout: StepLayout, cache: HybridCache,
+                input_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over ``input_ids [T]``; returns normed hidden states ``[T, H]``.
 
         Advances the recurrent state of the step's seats, writes its K/V and
-        fills ``cache.captured`` at the layout's capture points.
+        fills ``cache.captured`` at the layout's capture points. ``input_embeds [T, H]``
+        (``embed``'s, with media rows replaced) stand in for the ids' embeddings;
+        ``positions`` (M-RoPE ids ``[3, T]``) for the layout's token positions.
         """
         cache.start_captures()
-        rope = self.rope(layout.token_pos) if self.rope is not None else None
-        x = self.backbone.embeddings(input_ids) * self.config.embedding_multiplier
+        rope = None
+        if self.rope is not None:
+            rope = self.rope(layout.token_pos if positions is None else positions)
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
         for layer in self.backbone.layers:
             x = layer(x, layout, cache, rope)
         return self.backbone.norm_f(x)

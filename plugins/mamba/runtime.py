@@ -35,7 +35,9 @@ from ifb_plugins.mamba.config import HybridConfig
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import build_hybrid_model, load_hybrid_dir
 from ifb_plugins.mamba.model import HybridModel, allocate_cache
+from ifb_plugins.mamba.vision import ImageInput, load_image_input
 from ifb_plugins.common.chat.prompt import prompt_token_ids
+from ifb_plugins.common.media.prompt import media_step_positions, splice_embeddings
 from ifb_plugins.common.runtime.text import DEFAULT_MAX_MODEL_LEN, KV_BLOCK_SIZE, kv_capacity_tokens
 from ifb_plugins.common.runtime.placement import device_of, float32_only
 from ifb_plugins.common.decoding.sampling import sample_step
@@ -51,8 +53,10 @@ def kv_bytes_per_token(config: HybridConfig) -> int:
 
 class HybridRuntime:
     def __init__(self, *, model: HybridModel, tokenizer: TextTokenizer, caps: DeploymentCaps,
-                 config: DeployConfig, model_name: str):
+                 config: DeployConfig, model_name: str, images: ImageInput | None = None):
         self.model = model
+        #: an image-text checkpoint's image input (``vision``): encoded at admission, spliced per step
+        self.images = images
         self.tokenizer = tokenizer
         self.caps = caps
         self.model_name = model_name
@@ -85,6 +89,11 @@ class HybridRuntime:
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
+        if self.images is not None:
+            prepared = self.images.prepare(spec, self.tokenizer, max_model_len=self.max_model_len,
+                                           dtype=self.model.backbone.embeddings.weight.dtype)
+            if prepared is not None:
+                return prepared
         return Prepared(tuple(prompt_token_ids(self.tokenizer, self.vocab_size, spec)))
 
     # ---- stepped execution ----
@@ -104,7 +113,11 @@ class HybridRuntime:
         layout = build_layout([(s.seat, s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
                               self.kv_block_size, self.device, captures)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, layout, self.cache)  # [T, H]
+        embeds = positions = None
+        if self.images is not None:  # image rows of this step's chunks, and every token's M-RoPE ids
+            embeds = splice_embeddings(step, seats, ids, self.model.embed)
+            positions = media_step_positions(step, seats).to(self.device)
+        hidden = self.model(ids, layout, self.cache, embeds, positions)  # [T, H]
         if store is not None:
             store.captured(self.cache)
         return sample_step(seqs, seats, hidden, self.model.compute_logits)
@@ -128,5 +141,12 @@ def load_hybrid_runtime(config: DeployConfig, caps: DeploymentCaps) -> HybridRun
     float32_only(config, "the hybrid Mamba deployment")
     model = build_hybrid_model(loaded, device=device_of(config))
     name = config.options.get("served_model_name") or Path(loaded.path).name
-    log.info("loaded %s (pattern %s, hidden %d)", name, loaded.config.pattern, loaded.config.hidden_size)
-    return HybridRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name)
+    images = None
+    if loaded.vision_state is not None:
+        allowed = config.options.get("allowed_local_media_path")
+        images = load_image_input(Path(loaded.path), loaded.raw_config or {}, loaded.vision_state, loaded.tokenizer,
+                                  next(model.parameters()).device, Path(allowed) if allowed else None)
+    log.info("loaded %s (pattern %s, hidden %d%s)", name, loaded.config.pattern, loaded.config.hidden_size,
+             ", image input" if images is not None else "")
+    return HybridRuntime(model=model, tokenizer=loaded.tokenizer, caps=caps, config=config, model_name=name,
+                         images=images)

@@ -32,7 +32,7 @@ log = logging.getLogger("ifb.text")
 FAMILIES = {"gemma4_text": (Gemma4Config, Gemma4Model), "gpt_oss": (GptOssConfig, GptOssModel)}
 #: model types of these families that are not served here, and why
 _REFUSED = {
-    "gemma4": "Gemma4ForConditionalGeneration: its image and audio towers are not built",
+    "gemma4": "Gemma4ForConditionalGeneration, the image-text model: serve it with the vlm plugin",
     "gemma4_assistant": "a Gemma 4 assistant drafts for its Gemma 4 target: serve the target with "
                         "--speculative-model pointing at the assistant",
 }

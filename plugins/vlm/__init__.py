@@ -1,7 +1,7 @@
 """The vlm plugin: image and audio input under in-flight batching, for real checkpoints.
 
 The model families (``families``: LLaVA, SmolVLM / Idefics3, Qwen2.5-VL, Qwen3-VL,
-Qwen2-Audio, Qwen3-ASR) are
+Qwen2-Audio, Qwen3-ASR, Gemma 4) are
 chosen from the checkpoint's ``config.json``. Their encoders run at admission,
 in ``prepare``; the projected embeddings replace the prompt's media tokens, so a
 media request joins a running batch like any other. Under a visual-token pruner
@@ -118,4 +118,4 @@ def ifb_deployment_kinds():
         # its own loader: the text plugin's quantization and KV cache settings are not read
         settings=TEXT_RUNTIME_SETTINGS | {PRUNER_OPTION, "allowed_local_media_path"},
         description="Hugging Face multimodal checkpoints: LLaVA (CLIP or SigLIP tower), SmolVLM / Idefics3, "
-                    "Qwen2-Audio, Qwen3-ASR; encoders at admission, a Llama-family decoder")]
+                    "Qwen2-Audio, Qwen3-ASR, Gemma 4 (images and audio); encoders at admission, the shared decoders")]

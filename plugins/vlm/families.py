@@ -41,14 +41,14 @@ from typing import Mapping
 
 import torch
 
-from ifb_plugins.vlm import idefics3, llava, qwen2_5_vl, qwen2_audio, qwen3_asr, qwen3_vl
+from ifb_plugins.vlm import gemma4, idefics3, llava, qwen2_5_vl, qwen2_audio, qwen3_asr, qwen3_vl
 from ifb_plugins.vlm.interface import EncodedMedia, Family, LoadedVlm, MediaEncoder
 
 __all__ = ["FAMILIES", "EncodedMedia", "Family", "LoadedVlm", "MediaEncoder", "family_for", "load_vlm"]
 
 #: every family the plugin serves
 FAMILIES: tuple[Family, ...] = (llava.FAMILY, idefics3.FAMILY, qwen2_5_vl.FAMILY, qwen3_vl.FAMILY,
-                                qwen2_audio.FAMILY, qwen3_asr.FAMILY)
+                                qwen2_audio.FAMILY, qwen3_asr.FAMILY, gemma4.FAMILY)
 
 
 def family_for(config: Mapping, families: tuple[Family, ...] = FAMILIES) -> Family:

@@ -59,6 +59,8 @@ class LoadedVlm:
     encoders: Mapping[str, MediaEncoder] = attrs.field(eq=False, repr=False)  # "image" / "audio" -> encoder
     #: None: a transcription is the chat the route sends (an instruction in words)
     transcription: TranscriptionFormat | None = attrs.field(default=None, eq=False, repr=False)
+    #: the decoder's first-layer rows for token ids, which media rows replace (None: its token embedding)
+    embed: Callable[[torch.Tensor], torch.Tensor] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

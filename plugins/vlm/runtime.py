@@ -37,6 +37,7 @@ class VlmRuntime(TextRuntime):
         super().__init__(model=loaded.text_model, tokenizer=loaded.tokenizer, caps=caps, config=config,
                          model_name=model_name, lora=lora)
         self.loaded = loaded
+        self.embed = loaded.embed or self.model.model.embed_tokens
         self.encoders = dict(loaded.encoders)
         self.placeholder_kinds = {enc.placeholder_id: kind for kind, enc in self.encoders.items()}
         audio = self.encoders.get("audio")
@@ -125,7 +126,7 @@ class VlmRuntime(TextRuntime):
     # ---- stepped execution ----
     def step_positions(self, step: ScheduledStep, seats: list[Seat]) -> torch.Tensor:
         """M-RoPE decoders take ``[3, T]`` ids, each sequence's from its own prompt (text alone: its index)."""
-        if self.model.config.mrope_section is None:
+        if getattr(self.model.config, "mrope_section", None) is None:  # Gemma 4's config has no M-RoPE field
             return super().step_positions(step, seats)
         return media_step_positions(step, seats).to(self.device)
 
@@ -135,4 +136,4 @@ class VlmRuntime(TextRuntime):
         A prefill chunk covers prompt positions ``start_pos .. start_pos + n``;
         it may hold only part of a media item's rows, so each is clipped to it.
         """
-        return splice_embeddings(step, seats, input_ids, self.model.model.embed_tokens)
+        return splice_embeddings(step, seats, input_ids, self.embed)

@@ -79,6 +79,8 @@ class Gemma4Config:
     #: what computes attention: ``torch`` (``windowed_attention``) or ``triton``
     #: (``layers.triton_attention``, the choice of a model built for a CUDA device)
     attention_backend: str = "torch"
+    #: the token a media placeholder reads as for the per-layer inputs (the image-text model)
+    pad_token_id: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -155,6 +157,7 @@ def read_gemma4_config(cfg: Mapping[str, Any]) -> Gemma4Config:
         final_logit_softcapping=get("final_logit_softcapping"),
         max_position_embeddings=int(get("max_position_embeddings", 131072)),
         tie_word_embeddings=bool(get("tie_word_embeddings", True)), attention_bias=bool(get("attention_bias", False)),
+        pad_token_id=int(get("pad_token_id", 0)),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]))
 
 
@@ -307,9 +310,11 @@ class Gemma4Model(nn.Module):
     #: the attention windows the sliding layers itself: the runtime need not cap the context at the window
     applies_sliding_window = True
 
-    def __init__(self, config: Gemma4Config) -> None:
+    def __init__(self, config: Gemma4Config, media_token_ids: tuple[int, ...] = ()) -> None:
+        """``media_token_ids``: the image-text model's media placeholders (none for the text model)."""
         super().__init__()
         self.config = config
+        self.media_token_ids = tuple(media_token_ids)
         self.model = Gemma4Decoder(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -332,13 +337,26 @@ class Gemma4Model(nn.Module):
         emb = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows ``[T, H]``: token embeddings scaled by ``sqrt(hidden)``."""
+        emb = self.model.embed_tokens(input_ids)
+        return emb * torch.tensor(self.config.hidden_size ** 0.5, dtype=emb.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None],
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``."""
+        """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``.
+
+        ``input_embeds [T, H]`` replace the first layer's input (``embed``'s rows with media rows replaced
+        by their projected features, as the image-text model's ``masked_scatter`` places them). The
+        per-layer inputs project those rows, and take their token part from the ids, a media placeholder
+        (``media_token_ids``) read as the pad token, as transformers computes them.
+        """
         c, m = self.config, self.model
-        emb = m.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        x = emb * torch.tensor(c.hidden_size ** 0.5, dtype=emb.dtype)
+        if self.media_token_ids:
+            is_media = torch.isin(input_ids, torch.tensor(self.media_token_ids, device=input_ids.device))
+            input_ids = input_ids.masked_fill(is_media, c.pad_token_id)
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
         per_layer = None
         if c.per_layer_input_size:
             p, t = c.per_layer_input_size, x.shape[0]

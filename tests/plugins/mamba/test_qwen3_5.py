@@ -75,11 +75,11 @@ def test_prefix_reuse_resumes_from_deltanet_state_checkpoints(model_dir):
     assert stats["state_checkpoints"] >= 2
 
 
-def test_the_image_text_model_and_unknown_layers_are_refused_naming_the_field(model_dir, tmp_path):
+def test_an_image_text_config_without_its_text_config_and_unknown_layers_are_refused_naming_the_field(model_dir, tmp_path):
     cfg = json.loads((model_dir / "config.json").read_text())
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text((model_dir / name).read_text())
-    for bad, words in [({"model_type": "qwen3_5"}, "Qwen3_5ForConditionalGeneration"),
+    for bad, words in [({"model_type": "qwen3_5"}, "text_config"),
                        ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
                        ({"hidden_act": "gelu"}, "hidden_act"),
                        ({"linear_num_value_heads": 3}, "linear_num_value_heads")]:
