@@ -10,19 +10,18 @@ import pytest
 import torch
 from PIL import Image
 
-from ifb import LLM, SamplingParams
+from ifb import LLM
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.mamba.layout import build_layout
 from ifb_plugins.mamba.loader import split_image_text
 from ifb_plugins.mamba.vision import image_processing, read_image_processor
 from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
-from tests.helpers import one_seat_step, submit_staggered
-from tests.models.qwen3_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen3_5_vl
-from tests.plugins.vlm.test_qwen2_5_vl import alone, data_url, ours, picture, reference_inputs, trace
-
-NUM_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+from tests.helpers import one_seat_step
+from tests.models.qwen3_5_vl import load_processor, save_tiny_qwen3_5_vl
+from tests.media_family import (
+    GREEDY, NUM_TOKENS, alone, assert_greedy_equals_generate, assert_media_joins_equal_alone, data_url, image_inputs,
+    image_request, picture, trace)
 
 #: merged tokens are 32x32 pixels here
 PROMPTS = {
@@ -97,8 +96,8 @@ def _first_step_logits(runtime, prepared):
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prompt_and_first_step_logits_equal_transformers(llm, processor, reference, name):
     runtime = llm.deployment.runtime
-    inputs = reference_inputs(processor, PROMPTS[name])
-    prepared = runtime.prepare(ours(PROMPTS[name]))
+    inputs = image_inputs(processor, PROMPTS[name])
+    prepared = runtime.prepare(image_request(PROMPTS[name]))
     assert list(prepared.prompt_token_ids) == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
@@ -106,32 +105,18 @@ def test_prompt_and_first_step_logits_equal_transformers(llm, processor, referen
 
 
 def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
-    for name, parts in PROMPTS.items():
-        inputs = reference_inputs(processor, parts)
-        with torch.no_grad():
-            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
-        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-        assert len(expected) == NUM_TOKENS
-        assert list(alone(llm, ours(parts)).token_ids) == expected, name
+    assert_greedy_equals_generate(llm, reference, PROMPTS, image_request, lambda parts: image_inputs(processor, parts))
     other = ["What is in this picture?", Image.new("RGB", (64, 64), (250, 10, 10))]
-    assert trace(alone(llm, ours(other))) != trace(alone(llm, ours(PROMPTS["one image"])))
+    assert trace(alone(llm, image_request(other))) != trace(alone(llm, image_request(PROMPTS["one image"])))
 
 
 def test_image_requests_join_mid_flight_and_match_their_output_alone(llm):
-    # long enough that the batch is still running while each later request's image is encoded
-    long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=1))
-    specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
-    solo = [trace(alone(llm, s)) for s in specs]
-    before = llm.health()["scheduling"]
-    batched = submit_staggered(llm.engine, specs, gap_steps=2)
-    after = llm.health()["scheduling"]
-    assert [trace(r) for r in batched] == solo
-    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
+    # the founder runs long enough that the batch is still running while each later request's media are encoded
+    assert_media_joins_equal_alone(llm, PROMPTS, image_request, founder_tokens=96)
 
 
 def test_context_reuse_never_shares_state_between_different_images(checkpoint, llm):
-    specs = [ours(["What is in this picture?", picture(s, 64, 64)]) for s in (1, 2)]
+    specs = [image_request(["What is in this picture?", picture(s, 64, 64)]) for s in (1, 2)]
     expected = [trace(alone(llm, s)) for s in specs]
     with LLM(str(checkpoint), plugin="mamba", enable_in_flight_batching=True, enable_context_reuse=True) as cached:
         first = trace(alone(cached, specs[0]))
@@ -149,7 +134,7 @@ def test_chat_endpoint_answers_image_url_parts_as_transformers(llm, processor, r
     from ifb.server import app as app_module
 
     parts = PROMPTS["one image"]
-    inputs = reference_inputs(processor, parts)
+    inputs = image_inputs(processor, parts)
     with torch.no_grad():
         out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
     expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -174,6 +159,6 @@ def test_chat_endpoint_answers_image_url_parts_as_transformers(llm, processor, r
 
 
 def test_blocking_path_serves_images_with_the_same_output(checkpoint, llm):
-    spec = ours(PROMPTS["two images"])
+    spec = image_request(PROMPTS["two images"])
     with LLM(str(checkpoint), plugin="mamba") as blocking:
         assert trace(alone(blocking, spec)) == trace(alone(llm, spec))

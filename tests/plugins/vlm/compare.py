@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 
-import pytest
 import torch
 from PIL import Image
 
@@ -14,6 +13,7 @@ from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.decoder import allocate_kv_cache
 from tests.models.media import audio_part, image_part
 from tests.helpers import one_seat_step
+from tests.media_family import alone, trace
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 
@@ -76,22 +76,6 @@ def assert_close(ours: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4)
     assert diff <= atol, f"max abs diff {diff:.3g} > {atol}"
 
 
-class trace:
-    """Tokens and their log-probabilities; equal when the tokens are and the log-probabilities agree to 1e-4."""
-
-    def __init__(self, result):
-        self.token_ids = tuple(result.token_ids)
-        self.logprobs = tuple(lp.logprob for lp in result.logprobs)
-
-    def __eq__(self, other) -> bool:
-        return self.token_ids == other.token_ids and self.logprobs == pytest.approx(other.logprobs, abs=1e-4)
-
-    def __repr__(self) -> str:
-        return f"trace({self.token_ids})"
-
-
-def alone(llm, spec):
-    return llm.engine.submit(spec, wait=True).result()
 
 
 __all__ = ["GREEDY", "alone", "assert_batched_equals_alone", "assert_close", "chat", "first_logits", "pil", "reference_greedy",

@@ -11,19 +11,17 @@ import httpx
 import pytest
 import torch
 
-from ifb import LLM, SamplingParams
+from ifb import LLM
 from ifb_plugins.common.media.parts import MediaItem
 
 from ifb.params import RequestSpec
 from ifb_plugins.common.media.parts import decode_wav
 
-from tests.helpers import one_seat_step, submit_staggered
 from tests.models.gemma4_vlm import load_processor, save_tiny_gemma4_vlm
 from tests.models.media import audio_part, wav_bytes
-from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, data_url, picture, trace
-
-NUM_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+from tests.media_family import (
+    GREEDY, NUM_TOKENS, alone, assert_greedy_equals_generate, assert_media_joins_equal_alone, data_url,
+    paged_first_step_logits, picture, trace)
 
 
 class clip:
@@ -117,41 +115,21 @@ def test_prompt_and_first_step_logits_equal_transformers(llm, processor, referen
     runtime = llm.deployment.runtime
     inputs = reference_inputs(processor, PROMPTS[name])
     prepared = runtime.prepare(ours(PROMPTS[name]))
-    ids = list(prepared.prompt_token_ids)
-    assert ids == inputs["input_ids"][0].tolist()
+    assert list(prepared.prompt_token_ids) == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
-    step, seats = one_seat_step(prepared, tuple(range(-(-len(ids) // runtime.kv_block_size))), GREEDY)
-    tokens = torch.tensor(ids)
-    with torch.inference_mode():
-        hidden = runtime.model(tokens, runtime.step_positions(step, seats), _attn(runtime, step.seqs[0], seats[0]),
-                               runtime.kv_caches, runtime.step_embeddings(step, seats, tokens))
-        logits = runtime.model.compute_logits(hidden[-1:])[0]
-    assert (logits - expected).abs().max() <= 1e-4
+    assert (paged_first_step_logits(runtime, prepared) - expected).abs().max() <= 1e-4
 
 
 def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
-    for name, parts in PROMPTS.items():
-        inputs = reference_inputs(processor, parts)
-        with torch.no_grad():
-            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
-        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-        assert len(expected) == NUM_TOKENS
-        assert list(alone(llm, ours(parts)).token_ids) == expected, name
+    assert_greedy_equals_generate(llm, reference, PROMPTS, ours, lambda parts: reference_inputs(processor, parts))
     assert trace(alone(llm, ours(["What is in this picture?", picture(9, 64, 64)]))) != trace(
         alone(llm, ours(PROMPTS["one image"])))
 
 
 def test_image_requests_join_mid_flight_and_match_their_output_alone(llm):
-    long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=1))
-    specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
-    solo = [trace(alone(llm, s)) for s in specs]
-    before = llm.health()["scheduling"]
-    batched = submit_staggered(llm.engine, specs, gap_steps=2)
-    after = llm.health()["scheduling"]
-    assert [trace(r) for r in batched] == solo
-    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
+    # the founder runs long enough that the batch is still running while each later request's media are encoded
+    assert_media_joins_equal_alone(llm, PROMPTS, ours, founder_tokens=96)
 
 
 def test_chat_endpoint_answers_image_url_and_input_audio_parts_as_transformers(llm, processor, reference):

@@ -3,37 +3,20 @@ prompts, first-step logits, greedy tokens, batched == alone with media joining m
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from ifb import LLM, SamplingParams
-from ifb.params import InvalidRequest, RequestSpec
+from ifb.params import InvalidRequest
 from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen2_5_vl
 
 from tests.helpers import submit_staggered
-from tests.helpers import one_seat_step
+from tests.media_family import (
+    NUM_TOKENS, alone, assert_greedy_equals_generate, assert_media_joins_equal_alone, data_url, image_inputs,
+    image_request, paged_first_step_logits, picture, trace)
 
 import transformers
-
-NUM_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-
-
-def picture(seed: int, height: int, width: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def data_url(img: Image.Image) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
 
 #: name -> content parts: text (str) and images (PIL), in order
 PROMPTS = {
@@ -43,38 +26,6 @@ PROMPTS = {
     "tall, partial windows": ["Look:", picture(5, 211, 57)],
     "text only": ["Tell me about a paged KV cache."],
 }
-
-
-def ours(parts, params=GREEDY) -> RequestSpec:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else
-               {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
-    return RequestSpec(messages=({"role": "user", "content": content},), params=params)
-
-
-def reference_inputs(processor, parts):
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-    images = [p for p in parts if not isinstance(p, str)]
-    return processor(text=[text], images=images or None, return_tensors="pt")
-
-
-class trace:
-    """Tokens and their log-probabilities; equal when the tokens are and the log-probabilities agree to 1e-4."""
-
-    def __init__(self, result):
-        self.token_ids = tuple(result.token_ids)
-        self.logprobs = tuple(lp.logprob for lp in result.logprobs)
-
-    def __eq__(self, other) -> bool:
-        return self.token_ids == other.token_ids and self.logprobs == pytest.approx(other.logprobs, abs=1e-4)
-
-    def __repr__(self) -> str:
-        return f"trace({self.token_ids})"
-
-
-def alone(llm, spec):
-    return llm.engine.submit(spec, wait=True).result()
 
 
 @pytest.fixture(scope="module")
@@ -114,56 +65,28 @@ def pruned(checkpoint):
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prompt_and_first_step_logits_equal_transformers(llm, processor, reference, name):
     runtime = llm.deployment.runtime
-    inputs = reference_inputs(processor, PROMPTS[name])
-    prepared = runtime.prepare(ours(PROMPTS[name]))
-    ids = list(prepared.prompt_token_ids)
-    assert ids == inputs["input_ids"][0].tolist()  # the template, the placeholder expansion
+    inputs = image_inputs(processor, PROMPTS[name])
+    prepared = runtime.prepare(image_request(PROMPTS[name]))
+    assert list(prepared.prompt_token_ids) == inputs["input_ids"][0].tolist()  # the template, the placeholder expansion
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
-    step, seats = one_seat_step(prepared, tuple(range(-(-len(ids) // runtime.kv_block_size))), GREEDY)
-    seq = step.seqs[0]
-    tokens = torch.tensor(ids)
-    with torch.inference_mode():
-        hidden = runtime.model(tokens, runtime.step_positions(step, seats), _attn(runtime, seq, seats[0]), runtime.kv_caches,
-                               runtime.step_embeddings(step, seats, tokens))
-        logits = runtime.model.compute_logits(hidden[-1:])[0]
-    assert (logits - expected).abs().max() <= 1e-4
-
-
-def _attn(runtime, seq, seat):
-    from ifb_plugins.common.layers.attention import build_attn_metadata
-
-    return build_attn_metadata([(seq.start_pos, len(seq.token_ids), seat.block_ids)], runtime.kv_block_size)
+    assert (paged_first_step_logits(runtime, prepared) - expected).abs().max() <= 1e-4
 
 
 def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
-    for name, parts in PROMPTS.items():
-        inputs = reference_inputs(processor, parts)
-        with torch.no_grad():
-            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
-        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-        assert len(expected) == NUM_TOKENS
-        assert list(alone(llm, ours(parts)).token_ids) == expected, name
+    assert_greedy_equals_generate(llm, reference, PROMPTS, image_request, lambda parts: image_inputs(processor, parts))
     # the pictures reach the decoder: another image changes the answer's log-probabilities
     other = ["What is in this picture?", Image.new("RGB", (56, 56), (250, 10, 10))]
-    assert trace(alone(llm, ours(other))) != trace(alone(llm, ours(PROMPTS["one image"])))
+    assert trace(alone(llm, image_request(other))) != trace(alone(llm, image_request(PROMPTS["one image"])))
 
 
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
-    # long enough that the batch is still running while each later request's image is encoded
-    long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
-    specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
-    solo = [trace(alone(llm, s)) for s in specs]
-    before = llm.health()["scheduling"]
-    batched = submit_staggered(llm.engine, specs, gap_steps=2)
-    after = llm.health()["scheduling"]
-    assert [trace(r) for r in batched] == solo
-    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
+    # the founder runs long enough that the batch is still running while each later request's media are encoded
+    assert_media_joins_equal_alone(llm, PROMPTS, image_request, founder_tokens=128)
 
 
 def test_pruner_keeps_the_ratio_of_visual_tokens_with_their_grid_positions(llm, pruned):
-    spec = ours(PROMPTS["two images"])
+    spec = image_request(PROMPTS["two images"])
     full = llm.deployment.runtime.prepare(spec)
     kept = pruned.deployment.runtime.prepare(spec)
     count = lambda p: p.prompt_token_ids.count(IMAGE_TOKEN_ID)  # noqa: E731
@@ -174,9 +97,9 @@ def test_pruner_keeps_the_ratio_of_visual_tokens_with_their_grid_positions(llm, 
 
 
 def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
-    long_text = ours(["Tell me a long story."], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
-    joiner = ours(["Short question?"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    media = ours(PROMPTS["non-square, shrunk"])
+    long_text = image_request(["Tell me a long story."], SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+    joiner = image_request(["Short question?"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    media = image_request(PROMPTS["non-square, shrunk"])
     media_alone = trace(alone(pruned, media))
     before = pruned.health()["scheduling"]
     results = submit_staggered(pruned.engine, [long_text, joiner, media], gap_steps=2)
@@ -189,13 +112,13 @@ def test_under_the_pruner_media_founds_a_batch_while_text_joins(pruned):
 
 def test_an_image_too_elongated_for_the_processor_is_refused(llm):
     with pytest.raises(InvalidRequest, match="aspect ratio"):
-        llm.engine.submit(ours(["Look:", picture(0, 2, 500)]))
+        llm.engine.submit(image_request(["Look:", picture(0, 2, 500)]))
 
 
 def test_a_heavily_pruned_image_may_place_text_past_its_context_index(pruned):
     """Kept tokens keep their grid ids, so 2 of a 3x6 grid's tokens still span 6 columns: ids run ahead."""
     runtime = pruned.deployment.runtime
-    spec = ours(PROMPTS["non-square, shrunk"])
+    spec = image_request(PROMPTS["non-square, shrunk"])
     runtime.pruner_ratio = 0.1
     try:
         prepared = runtime.prepare(spec)
@@ -211,7 +134,7 @@ def test_blocking_path_and_context_reuse_keep_the_mrope_positions(checkpoint, ll
     """A prefix leased from the cache was computed at the same ids; the blocking path uses them too."""
     long_prompt = ["A long shared preamble about paged attention and block tables. " * 3, picture(1, 56, 56),
                    "What is in this picture?"]
-    specs = [ours(long_prompt), ours(PROMPTS["two images"]), ours(long_prompt)]
+    specs = [image_request(long_prompt), image_request(PROMPTS["two images"]), image_request(long_prompt)]
     expected = [trace(alone(llm, s)) for s in specs]
     with LLM(str(checkpoint), plugin="vlm", enable_in_flight_batching=True, enable_context_reuse=True) as cached:
         got = [trace(alone(cached, s)) for s in specs]
@@ -235,7 +158,7 @@ def test_ifb_serve_answers_as_transformers_generates(checkpoint, processor, refe
     from tests.plugins.vlm.test_serve import _free_port
 
     parts = PROMPTS["two images"]
-    inputs = reference_inputs(processor, parts)
+    inputs = image_inputs(processor, parts)
     with torch.no_grad():
         out = reference.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None)
     expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -257,7 +180,7 @@ def test_ifb_serve_answers_as_transformers_generates(checkpoint, processor, refe
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.3)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        content = ours(parts).messages[0]["content"]
+        content = image_request(parts).messages[0]["content"]
         reply = client.chat.completions.create(model=checkpoint.name, max_tokens=6, temperature=0,
                                                extra_body={"ignore_eos": True},
                                                messages=[{"role": "user", "content": content}])

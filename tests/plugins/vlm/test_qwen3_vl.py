@@ -9,22 +9,18 @@ import pytest
 import torch
 from PIL import Image
 
-from ifb import LLM, SamplingParams
+from ifb import LLM
 from ifb_plugins.common.loading.processor import ProcessorFiles
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.vlm.qwen2_5_vl import split_state
 from ifb_plugins.common.media.qwen2_5_vl_image import QwenVLImageProcessing
 from ifb_plugins.common.media.qwen3_vl_vision import Qwen3VisionConfig, Qwen3VisionTower
 
-from tests.helpers import submit_staggered
-from tests.plugins.vlm.test_qwen2_5_vl import _attn, alone, ours, picture, reference_inputs, trace
+from tests.media_family import (
+    alone, assert_greedy_equals_generate, assert_media_joins_equal_alone, image_inputs, image_request, paged_first_step_logits, picture, trace)
 from tests.plugins.vlm.tiny_qwen2_5_vl import IMAGE_TOKEN_ID, load_processor, save_tiny_qwen3_vl
-from tests.helpers import one_seat_step
 
 import transformers
-
-NUM_TOKENS = 8
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
 
 #: merged tokens are 32x32 pixels here
 PROMPTS = {
@@ -84,50 +80,28 @@ def test_tower_and_deepstack_features_equal_transformers(checkpoint, processor, 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_prompt_and_first_step_logits_equal_transformers(llm, processor, reference, name):
     runtime = llm.deployment.runtime
-    inputs = reference_inputs(processor, PROMPTS[name])
-    prepared = runtime.prepare(ours(PROMPTS[name]))
-    ids = list(prepared.prompt_token_ids)
-    assert ids == inputs["input_ids"][0].tolist()
+    inputs = image_inputs(processor, PROMPTS[name])
+    prepared = runtime.prepare(image_request(PROMPTS[name]))
+    assert list(prepared.prompt_token_ids) == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         expected = reference(**inputs).logits[0, -1]
-    step, seats = one_seat_step(prepared, tuple(range(-(-len(ids) // runtime.kv_block_size))), GREEDY)
-    seq = step.seqs[0]
-    tokens = torch.tensor(ids)
-    with torch.inference_mode():
-        hidden = runtime.model(tokens, runtime.step_positions(step, seats), _attn(runtime, seq, seats[0]), runtime.kv_caches,
-                               runtime.step_embeddings(step, seats, tokens))
-        logits = runtime.model.compute_logits(hidden[-1:])[0]
-    assert (logits - expected).abs().max() <= 1e-4
+    assert (paged_first_step_logits(runtime, prepared) - expected).abs().max() <= 1e-4
 
 
 def test_greedy_tokens_equal_transformers_generate(llm, processor, reference):
-    for name, parts in PROMPTS.items():
-        inputs = reference_inputs(processor, parts)
-        with torch.no_grad():
-            out = reference.generate(**inputs, max_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None)
-        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
-        assert len(expected) == NUM_TOKENS
-        assert list(alone(llm, ours(parts)).token_ids) == expected, name
+    assert_greedy_equals_generate(llm, reference, PROMPTS, image_request, lambda parts: image_inputs(processor, parts))
     other = ["What is in this picture?", Image.new("RGB", (64, 64), (250, 10, 10))]
-    assert trace(alone(llm, ours(other))) != trace(alone(llm, ours(PROMPTS["one image"])))
+    assert trace(alone(llm, image_request(other))) != trace(alone(llm, image_request(PROMPTS["one image"])))
 
 
 def test_media_requests_join_mid_flight_and_match_their_output_alone(llm):
-    # long enough that the batch is still running while each later request's image is encoded
-    long_text = ours(["Tell me a long story about in-flight batching."],
-                     SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=1))
-    specs = [long_text] + [ours(parts) for parts in PROMPTS.values()]
-    solo = [trace(alone(llm, s)) for s in specs]
-    before = llm.health()["scheduling"]
-    batched = submit_staggered(llm.engine, specs, gap_steps=2)
-    after = llm.health()["scheduling"]
-    assert [trace(r) for r in batched] == solo
-    assert after["admitted_mid_flight"] - before["admitted_mid_flight"] >= 3
+    # the founder runs long enough that the batch is still running while each later request's media are encoded
+    assert_media_joins_equal_alone(llm, PROMPTS, image_request, founder_tokens=128)
 
 
 def test_pruning_cuts_image_rows_with_their_deepstack_features(llm):
     runtime = llm.deployment.runtime
-    spec = ours(PROMPTS["non-square, shrunk"])
+    spec = image_request(PROMPTS["non-square, shrunk"])
     full = runtime.prepare(spec)
     runtime.pruner_ratio = 0.5
     try:
