@@ -6,7 +6,8 @@ the work is organised as:
 
 1. penalties (repetition / presence / frequency), per row with scatter ops;
 2. greedy rows (temperature 0): argmax;
-3. sampled rows: temperature, top-k, top-p, min-p as batched *row-wise* ops, then a draw
+3. sampled rows: temperature, top-k, top-p, min-p as batched *row-wise* ops (``filters``:
+   each cut found among a row's largest logits, not by sorting the vocabulary), then a draw
    by inverse transform: one uniform per row against the row's cumulative probabilities,
    a seeded row's uniform a pure function of (seed, output index);
 4. logprobs, from the raw logits.
@@ -20,7 +21,6 @@ whose offset depends on how many rows came before.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
@@ -28,6 +28,7 @@ import torch
 
 from ifb.params import SamplingParams
 from ifb.runtime import ScheduledSeq, Seat, SeqOutput, StepOutput
+from ifb_plugins.common.decoding.filters import filter_logits
 
 if TYPE_CHECKING:
     from ifb_plugins.common.decoding.guided import GuidedDecoder
@@ -111,44 +112,9 @@ def _filter(
     top_p: list[float],
     min_p: list[float],
 ) -> torch.Tensor:
-    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude, per row.
-
-    ``x`` is [S, V] temperature-scaled logits. Each filter keeps each row's most likely
-    token, so no row is ever left empty. Rows whose filter is disabled get a no-op value
-    (k = V, threshold = +inf, min_p = 0) so one batched op serves every row.
-    """
-    num_rows, vocab = x.shape
-    device = x.device
-    use_k = any(k > 0 for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-
-    if use_k or use_p:
-        # Stable sort so ties at the cut-off resolve to the lower token id, reproducibly.
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab, device=device)
-        drop_sorted = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if use_k:
-            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
-            drop_sorted |= ranks.unsqueeze(0) >= ks.unsqueeze(1)
-        if use_p:
-            # Nucleus on the top-k survivors, renormalised (as vLLM does). A token is kept
-            # while the mass strictly before it is below p; the first token has mass 0
-            # before it and p > 0, so at least one token survives. Disabled rows use +inf,
-            # not 1.0, because a float cumsum can round past 1.0 and clip the tail.
-            probs = sorted_x.masked_fill(drop_sorted, -math.inf).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            ps = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device)
-            drop_sorted |= mass_before >= ps.unsqueeze(1)
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        x = x.masked_fill(drop, -math.inf)
-
-    if any(m > 0.0 for m in min_p):
-        probs = x.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device).unsqueeze(1)
-        # Strict '<': the most likely token (prob == max) always survives, even at min_p=1.
-        x = x.masked_fill(probs < floor, -math.inf)
-
-    return x
+    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude, per row of ``x`` [S, V]
+    (temperature-scaled logits); ``filters.filter_logits``, which finds the cuts without sorting whole rows."""
+    return filter_logits(x, top_k, top_p, min_p)
 
 
 def _uniform_for_step(seed: int, step: int) -> float:
