@@ -29,11 +29,6 @@ __all__ = ["filter_logits", "cut_sizes"]
 NUCLEUS_WIDTHS = (64, 512, 4096)
 
 
-def _rounded_width(width: int, vocab: int) -> int:
-    # whole vector lengths: elementwise kernels then never switch to their scalar tail mid-row
-    return min(vocab, -(-width // 32) * 32)
-
-
 def _largest(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``width`` largest logits of each row of ``x``, in descending order, and their ids."""
     if width >= x.shape[1]:
@@ -57,7 +52,7 @@ def cut_sizes(x: torch.Tensor, ks: Sequence[int], ps: Sequence[float]) -> tuple[
     first = max([NUCLEUS_WIDTHS[0]] + [k for k in ks if k < vocab])
     widths = [first] + [w for w in NUCLEUS_WIDTHS if w > first] + [vocab]
     pending = list(range(num_rows))
-    for width in dict.fromkeys(_rounded_width(w, vocab) for w in widths):
+    for width in dict.fromkeys(min(w, vocab) for w in widths):
         if not pending:
             break
         rows = torch.tensor(pending, device=x.device)
