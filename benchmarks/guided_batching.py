@@ -14,15 +14,18 @@ validates against its schema, and where a served step's time goes: the whole ste
 guided work (masks computed on the worker thread, the step's wait for them after its forward, applying
 them, advancing the matchers), per step with guided rows. Then, at 16 guided seats decoding together,
 the step time with the masks computed while the forward runs (a worker thread) and after it (on the
-engine thread). The raw numbers go to ``--out`` (under bench-results/, out of git).
+engine thread). ``--rounds`` repeats the A-B-B-A round in the same process, so the ratios' spread is
+measured rather than guessed; each leg records the machine's load average as it ended. The raw numbers
+go to ``--out`` (under bench-results/, out of git).
 
-    python benchmarks/guided_batching.py [--gap 0.05] [--max-tokens 64] [--out bench-results/guided_batching.json]
+    python benchmarks/guided_batching.py [--gap 0.05] [--max-tokens 64] [--rounds 3] [--out bench-results/guided_batching.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -115,7 +118,7 @@ def run(engine: RequestEngine, specs: list[RequestSpec], gap: float) -> dict:
             "guided_steps": len(step_ms), "step_ms": statistics.median(step_ms) if step_ms else 0.0,
             "forward_ms": statistics.median(forward_ms) if forward_ms else 0.0,
             "mask_compute_ms": spent["mask_ns"] - spent["apply_ns"], "mask_wait_ms": spent["wait_ns"],
-            "mask_apply_ms": spent["apply_ns"], "advance_ms": spent["advance_ns"]}
+            "mask_apply_ms": spent["apply_ns"], "advance_ms": spent["advance_ns"], "load_1m": os.getloadavg()[0]}
 
 
 def mask_overlap(llm: LLM, num_steps: int) -> dict:
@@ -154,10 +157,11 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between arrivals")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mask-steps", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=1, help="A-B-B-A rounds in this process")
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "bench-results" / "guided_batching.json")
     args = parser.parse_args()
     specs = workload(args.max_tokens)
-    legs = ("served", "runs-alone", "runs-alone", "served")  # A-B-B-A
+    legs = ("served", "runs-alone", "runs-alone", "served") * args.rounds  # A-B-B-A, repeated
     runs: list[tuple[str, dict]] = []
     with LLM(enable_in_flight_batching=True, max_batch_size=16, max_num_batched_tokens=512) as llm:
         runtime, config, options = llm.deployment.runtime, llm.deployment.config, llm.engine.options
@@ -180,13 +184,18 @@ def main() -> None:
     for name, r in runs:
         print(f"{name:>10}: {r['tokens_per_s']:6.1f} tokens/s ({r['tokens']} tokens in {r['wall_s']:.1f} s); "
               f"guided and plain shared {r['shared_steps']} of {r['steps']} steps; "
-              f"{r['guided_valid']}/{r['guided']} guided outputs validate; stalls_guided {r['stalls_guided']}")
+              f"{r['guided_valid']}/{r['guided']} guided outputs validate; stalls_guided {r['stalls_guided']}; "
+              f"load {r['load_1m']:.1f}")
         print(f"{'':>10}  per step with guided rows: step {r['step_ms']:.1f} ms, forward {r['forward_ms']:.1f} ms, "
               f"masks computed {r['mask_compute_ms']:.2f} ms (worker), waited for {r['mask_wait_ms']:.3f} ms, "
               f"applied {r['mask_apply_ms']:.3f} ms, matchers advanced {r['advance_ms']:.3f} ms")
-    ratios = [runs[0][1]["tokens_per_s"] / runs[1][1]["tokens_per_s"],
-              runs[3][1]["tokens_per_s"] / runs[2][1]["tokens_per_s"]]
-    print(f"served / runs-alone, outer and inner pair: {ratios[0]:.2f}x, {ratios[1]:.2f}x")
+    # each round's outer pair (its first A over its first B) and inner pair (its second A over its second B)
+    ratios = []
+    for k in range(0, len(runs), 4):
+        a1, b1, b2, a2 = (r["tokens_per_s"] for _, r in runs[k:k + 4])
+        ratios += [a1 / b1, a2 / b2]
+    print("served / runs-alone, outer and inner pair of each round: " + ", ".join(f"{x:.2f}x" for x in ratios))
+    print(f"  median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}x-{max(ratios):.2f}x over {len(ratios)} pairs")
     print(f"16 guided seats decoding, median step: masks during the forward {masks['overlapped']:.2f} ms, "
           f"after it {masks['after_forward']:.2f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)

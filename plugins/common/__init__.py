@@ -17,8 +17,9 @@ kind of thing:
   ``syscache`` (the legacy system-prompt capture) and ``placement`` (``device_of``, ``weights_dtype``:
   ``--device`` / ``--dtype`` as torch values);
 - ``decoding``: ``sampling`` (``sample_step``, per-sequence sampling of a step's logits),
-  ``speculative`` (verifying drafted tokens: greedy agreement, rejection sampling) and ``guided``
-  (grammar-constrained decoding);
+  ``filters`` (top-k / top-p / min-p cuts without whole-vocabulary sorts), ``speculative``
+  (verifying drafted tokens: greedy agreement, rejection sampling) and ``guided`` (grammar-constrained
+  decoding);
 - ``speculative``: draft sources, ``drafter`` (the ``Drafter`` protocol), ``ngram`` (prompt lookup)
   ``draft_model`` (a draft model over its own paged cache) and ``assistant`` (a head fed the target's
   hidden state: Gemma 4's assistant, ``models.gemma4_assistant``, over the target's own KV);
@@ -63,7 +64,7 @@ from typing import Any
 
 #: the modules whose public names (no leading underscore) a plugin may import
 PUBLIC_MODULES = (
-    "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling",
+    "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling", "decoding.filters",
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
     "models.deepstack", "models.native_decoder", "models.parts", "models.tensor_parallel", "models.gemma4",
     "models.gpt_oss", "layers.moe", "layers.attention", "layers.mrope", "layers.triton_kernels",

@@ -6,21 +6,21 @@ the work is organised as:
 
 1. penalties (repetition / presence / frequency), per row with scatter ops;
 2. greedy rows (temperature 0): argmax;
-3. sampled rows: temperature, top-k, top-p, min-p as batched *row-wise* ops, then a draw
-   by the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which picks token ``i`` with
-   probability ``p_i`` and lets each seeded row draw its own ``q`` from its own generator;
+3. sampled rows: temperature, top-k, top-p, min-p as batched *row-wise* ops (``filters``:
+   each cut found among a row's largest logits, not by sorting the vocabulary), then a draw
+   by inverse transform: one uniform per row against the row's cumulative probabilities,
+   a seeded row's uniform a pure function of (seed, output index);
 4. logprobs, from the raw logits.
 
 Batch invariance: a row's result must not depend on its batch mates or position. Every
 batched op used here (elementwise maths, softmax / sort / cumsum / argmax along the vocab
 axis) reduces within a row only, so batching changes no row's numerics; and randomness
-for seeded rows comes from a per-row generator, never from a shared stream whose offset
-depends on how many rows came before.
+for seeded rows is counter-based (a hash of seed and output index), never a shared stream
+whose offset depends on how many rows came before.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
@@ -28,6 +28,7 @@ import torch
 
 from ifb.params import SamplingParams
 from ifb.runtime import ScheduledSeq, Seat, SeqOutput, StepOutput
+from ifb_plugins.common.decoding.filters import filter_logits
 
 if TYPE_CHECKING:
     from ifb_plugins.common.decoding.guided import GuidedDecoder
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["SeqSample", "sample", "sample_step"]
 
 _MASK64 = (1 << 64) - 1
+#: the largest uniform a draw uses (see ``_draw``)
+_U_MAX = 1.0 - 2.0 ** -52
 
 
 @attrs.frozen
@@ -109,44 +112,18 @@ def _filter(
     top_p: list[float],
     min_p: list[float],
 ) -> torch.Tensor:
-    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude, per row.
+    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude, per row of ``x`` [S, V]
+    (temperature-scaled logits); ``filters.filter_logits``, which finds the cuts without sorting whole rows."""
+    return filter_logits(x, top_k, top_p, min_p)
 
-    ``x`` is [S, V] temperature-scaled logits. Each filter keeps each row's most likely
-    token, so no row is ever left empty. Rows whose filter is disabled get a no-op value
-    (k = V, threshold = +inf, min_p = 0) so one batched op serves every row.
+
+def _uniform_for_step(seed: int, step: int) -> float:
+    """A seeded row's uniform in [0, 1) at output index ``step``: the top 53 bits of its mixed seed.
+
+    Counter-based: the value is a pure function of (seed, step), so no generator is created
+    or advanced and nothing about the batch can shift it.
     """
-    num_rows, vocab = x.shape
-    device = x.device
-    use_k = any(k > 0 for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-
-    if use_k or use_p:
-        # Stable sort so ties at the cut-off resolve to the lower token id, reproducibly.
-        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(vocab, device=device)
-        drop_sorted = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if use_k:
-            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
-            drop_sorted |= ranks.unsqueeze(0) >= ks.unsqueeze(1)
-        if use_p:
-            # Nucleus on the top-k survivors, renormalised (as vLLM does). A token is kept
-            # while the mass strictly before it is below p; the first token has mass 0
-            # before it and p > 0, so at least one token survives. Disabled rows use +inf,
-            # not 1.0, because a float cumsum can round past 1.0 and clip the tail.
-            probs = sorted_x.masked_fill(drop_sorted, -math.inf).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            ps = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device)
-            drop_sorted |= mass_before >= ps.unsqueeze(1)
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        x = x.masked_fill(drop, -math.inf)
-
-    if any(m > 0.0 for m in min_p):
-        probs = x.softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device).unsqueeze(1)
-        # Strict '<': the most likely token (prob == max) always survives, even at min_p=1.
-        x = x.masked_fill(probs < floor, -math.inf)
-
-    return x
+    return (_seed_for_step(seed, step) >> 11) * 2.0 ** -53
 
 
 def _draw(
@@ -155,31 +132,39 @@ def _draw(
     steps: Sequence[int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Draw one token per row of ``probs`` [S, V]; returns [S] token ids.
+    """Draw one token per row of ``probs`` [S, V] (non-negative weights, unnormalised allowed); returns [S] ids.
 
-    Exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` selects token i with
-    probability p_i. A seeded row fills its own ``q`` from a generator seeded by
-    (seed, output index), so its draw is independent of batch mates and position;
-    unseeded rows share one batched draw from ``generator`` (or torch's default).
+    Inverse transform: one uniform ``u`` per row picks the first token whose cumulative
+    weight exceeds ``u`` times the row's total, which selects token ``i`` with probability
+    ``p_i / sum(p)`` and never a token of weight 0. A seeded row's ``u`` comes from
+    (seed, output index) alone (:func:`_uniform_for_step`), so its draw is independent of
+    batch mates and position; unseeded rows share one batched draw from ``generator`` (or
+    torch's default). One uniform a row, rather than one random number per vocabulary entry,
+    keeps the draw a few batched ops whatever the vocabulary size.
     """
-    num_rows, vocab = probs.shape
-    q = torch.empty_like(probs)
-    seeded = [i for i, p in enumerate(params) if p.seed is not None]
+    num_rows = probs.shape[0]
+    device = probs.device
+    u = [0.0] * num_rows
     unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    for i in seeded:
-        g = torch.Generator(device=probs.device)
-        g.manual_seed(_seed_for_step(params[i].seed, steps[i]))  # type: ignore[arg-type]
-        q[i].exponential_(generator=g)
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            u[i] = _uniform_for_step(p.seed, steps[i])
     if unseeded:
-        if len(unseeded) == num_rows:
-            q.exponential_(generator=generator)
-        else:
-            idx = torch.tensor(unseeded, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(generator=generator)
-    # A zero draw would give 0/0 = NaN for a masked token, and argmax treats NaN as the
-    # maximum; clamping keeps masked tokens (p = 0) at exactly 0 and thus never chosen.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+        drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=generator, device=device).tolist()
+        for i, value in zip(unseeded, drawn):
+            u[i] = value
+    return _pick(probs, u)
+
+
+def _pick(weights: torch.Tensor, u: Sequence[float]) -> torch.Tensor:
+    """Per row of ``weights`` [S, V], the first token whose cumulative weight exceeds ``u[row]`` times the row's total."""
+    # float64 so the cumulative sums resolve a 1e-9 tail token next to a total near 1 (each row's
+    # sum runs along its own row, so a row's ids do not depend on the rows beside it)
+    cdf = weights.to(torch.float64).cumsum(dim=-1)
+    # u * total rounds to below the total for u <= 1 - 2**-52 (its product is at least one ulp under
+    # it), so the search always lands inside the row, on a token of positive weight
+    targets = torch.tensor([min(x, _U_MAX) for x in u], dtype=torch.float64, device=weights.device) * cdf[:, -1]
+    return torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
 
 
 def sample(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ifb.params import SamplingParams
-from ifb_plugins.common.decoding.sampling import SeqSample, _seed_for_step, sample
+from ifb_plugins.common.decoding.sampling import _U_MAX, SeqSample, _pick, _seed_for_step, _uniform_for_step, sample
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -235,6 +235,40 @@ def test_seeded_row_independent_of_batch_mates_and_position() -> None:
 def test_seed_mix_spreads_neighbours() -> None:
     assert _seed_for_step(1, 0) != _seed_for_step(0, 1)
     assert 0 <= _seed_for_step(-5, 3) < 2**64
+
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    # one draw per seed: the seeded uniforms must spread like independent ones
+    draws = 4000
+    batch = LOGITS.expand(draws, -1).contiguous()
+    out = sample(batch, [SamplingParams(seed=s) for s in range(draws)], [()] * draws, [0] * draws)
+    freq = torch.bincount(torch.tensor([o.token_id for o in out]), minlength=6).float() / draws
+    assert torch.allclose(freq, PROBS, atol=0.03), freq
+
+
+def test_seeded_uniform_is_a_function_of_seed_and_index_only() -> None:
+    values = [_uniform_for_step(s, k) for s in range(50) for k in range(50)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == len(values)
+    assert _uniform_for_step(7, 3) == _uniform_for_step(7, 3)
+    assert abs(sum(values) / len(values) - 0.5) < 0.02
+
+
+def test_the_pick_never_lands_on_a_zero_weight_token() -> None:
+    # zeros at both ends and inside, unnormalised (as speculative verification's residuals are)
+    weights = torch.tensor([[0.0, 3.0, 0.0, 0.0, 7.0, 0.0, 0.0]] * 5)
+    ends = [0.0, 0.3 - 1e-12, 0.3, 1.0 - 2.0 ** -53, 1.0]
+    assert _pick(weights, ends).tolist() == [1, 1, 4, 4, 4]
+    # totals whose u * total would round up to the total: still the last positive token
+    for total in (1.0, 3.0, 2.0 ** 40, 1e-30):
+        row = torch.tensor([[0.0, total / 2, total / 2, 0.0]], dtype=torch.float64)
+        assert _pick(row, [_U_MAX]).tolist() == [2]
+        assert _pick(row, [1.0 - 2.0 ** -53]).tolist() == [2]
+    # a tail token a billionth of the mass keeps its own interval
+    tail = torch.tensor([[1.0, 1e-9]])
+    assert _pick(tail, [1.0 - 5e-10]).tolist() == [1]
+    assert _pick(tail, [1.0 - 2e-9]).tolist() == [0]
 
 
 # --- logprobs -----------------------------------------------------------------------------
