@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="Arrivals per second of the poisson workload.")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads.")
     parser.add_argument("--repack", action="store_true", help="Let llama.cpp repack weights (AMX).")
-    parser.add_argument("--quantization", choices=("auto", "int8"), default="auto",
+    parser.add_argument("--quantization", choices=("auto", "int16", "int8-prompt", "int8"), default="auto",
                         help="ifb's --quantization; int8: 8-bit activation codes, as llama.cpp's CPU path "
                              "(a row of its own: MODEL@int8).")
     parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")
