@@ -204,7 +204,7 @@ def measure_model(model: Model, binary: Path, chosen: list[Workload], out_dir: P
     result: dict = {"model": model.key + ("" if mode == "auto" else f"@{mode}"),
                     "title": model.title + ("" if mode == "auto" else f"; ifb `--quantization {mode}`"),
                     "quantization": mode, "bytes_per_token": model.num_bytes,
-                    "file_bytes": model.path.stat().st_size, "workloads": {},
+                    "file_bytes": model.path.stat().st_size, "workloads": {}, "date": dt.date.today().isoformat(),
                     "requests": {w.name: w.num_requests for w in chosen}}
     try:
         for name in SERVERS:  # one at a time, so the load-time peaks are each server's own
@@ -273,12 +273,18 @@ def bandwidth_fraction(summary: dict, model: dict, server: str) -> float:
     return rate * model["bytes_per_token"] / 1e9 / model.get("bandwidth_gb_s", summary["bandwidth_gb_s"])
 
 
+#: the ``--quantization`` modes a row may run ifb with besides the default, as the prose names them
+OTHER_MODES = {"int8-prompt": "8-bit codes on prompt tokens, 15-bit on generated ones",
+               "int8": "llama.cpp's precision"}
+
+
 def render_prose(summary: dict) -> str:
     """The ranges the READMEs quote, from ``summary``: batch 1, the batched workloads, prompt-heavy,
     and the ``int8`` rows, each as ifb's output tokens/s over llama.cpp's, ties counted apart."""
     groups: dict[str, tuple[list[float], list[str]]] = {}
     for m in summary["models"]:
-        mode = "int8" if m.get("quantization") == "int8" else "default"
+        mode = m.get("quantization", "auto")
+        mode = "default" if mode == "auto" else mode
         for w, runs in m["workloads"].items():
             if not runs:
                 continue
@@ -296,13 +302,15 @@ def render_prose(summary: dict) -> str:
     machine = summary["machine"]
     parts = [said("default:batch1", "batch 1"), said("default:batched", "the batched workloads"),
              said("default:prompt_heavy", "prompt-heavy")]
-    int8 = [said("int8:batch1", "batch 1"), said("int8:prompt_heavy", "prompt-heavy")] \
-        if any(k.startswith("int8:") for k in groups) else []
+    dates = sorted({m.get("date", machine["date"]) for m in summary["models"]} | {machine["date"]})
     text = (f"Against llama.cpp's server on the same GGUF files ({machine['cpu']}, {machine['cores']} cores, "
-            f"{machine['date']}; {len(summary['models'])} rows), ifb's output tokens/s over llama.cpp's at its "
+            f"{' and '.join(dates)}; {len(summary['models'])} rows), ifb's output tokens/s over llama.cpp's at its "
             f"default precision: {'; '.join(parts)}.")
-    if int8:
-        text += f" With `--quantization int8` (llama.cpp's precision): {'; '.join(int8)}."
+    for mode, what in OTHER_MODES.items():
+        found = [said(f"{mode}:{w}", name) for w, name in (("batch1", "batch 1"), ("batched", "the batched workloads"),
+                                                          ("prompt_heavy", "prompt-heavy")) if f"{mode}:{w}" in groups]
+        if found:
+            text += f" With `--quantization {mode}` ({what}): {'; '.join(found)}."
     fractions = {name: [100 * bandwidth_fraction(summary, m, name) for m in summary["models"]
                         if m["workloads"].get("batch1")] for name in SERVERS}
     if fractions["ifb"]:
@@ -342,7 +350,9 @@ def render(summary: dict) -> str:
             if m["workloads"].get("batch1") else []
         mem = " ; ".join(f"{m['memory_mib_loaded'][n]['rss']:.0f} / {m['memory_mib_after'][n]['peak']:.0f}"
                          for n in SERVERS)
-        lines.append(f"| {m['title']}, {m['bytes_per_token'] / 2**20:.0f} MiB a token | " + " | ".join(cells)
+        date = m.get("date", machine["date"])
+        title = m["title"] + ("" if date == machine["date"] else f" (measured {date})")
+        lines.append(f"| {title}, {m['bytes_per_token'] / 2**20:.0f} MiB a token | " + " | ".join(cells)
                      + f" | {' / '.join(frac) or '-'} | {mem} |")
     lines += ["", "Cells: ifb / llama.cpp (ratio). " + TIE_RULE + " Memory: ifb ; llama.cpp."]
     return "\n".join(lines)
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="Arrivals per second of the poisson workload.")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads.")
     parser.add_argument("--repack", action="store_true", help="Let llama.cpp repack weights (AMX).")
-    parser.add_argument("--quantization", choices=("auto", "int8"), default="auto",
+    parser.add_argument("--quantization", choices=("auto", "int16", "int8-prompt", "int8"), default="auto",
                         help="ifb's --quantization; int8: 8-bit activation codes, as llama.cpp's CPU path "
                              "(a row of its own: MODEL@int8).")
     parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")

@@ -20,7 +20,9 @@ from ifb_plugins.common.runtime.text import TextRuntime
 log = logging.getLogger("ifb.text")
 
 #: the native kernels' activations in each mode that runs the GGUF's blocks
-_ACTIVATIONS = {"auto": "int16", "int8": "int8", "weights-only": "float32"}
+_ACTIVATIONS = {"auto": "int16", "int16": "int16", "int8-prompt": "int16", "int8": "int8", "weights-only": "float32"}
+#: the modes whose native decoder quantizes prompt rows to other codes than generated ones
+_PROMPT_ACTIVATIONS = {"int8-prompt": "int8"}
 #: values of ``DeployConfig.options["quantization"]``: those, and ``none`` (float32 weights)
 QUANTIZATION_MODES = (*_ACTIVATIONS, "none")
 #: what runs the layers of a quantized model: the native decoder where they fit it (``auto``), or the
@@ -76,6 +78,7 @@ def model_parts(loaded: LoadedCheckpoint, mode: str, *, has_lora: bool,
     from ifb_plugins.common.quant.parts import BlockParts
 
     return BlockParts.for_checkpoint(loaded, activations=_ACTIVATIONS[mode],
+                                     prompt_activations=_PROMPT_ACTIVATIONS.get(mode),
                                      layer_stack="torch" if has_lora else layer_stack)
 
 
@@ -99,7 +102,8 @@ def describe_model(model: TextModel, parts: ModelParts, *, has_lora: bool) -> Pr
                  "matmuls and attention run on the native kernels")
         return PreparedModel(report.describe() + "; mixture-of-experts layers driven from Python", **native)
     if isinstance(model.layer_stack, NativeDecoder):
-        return PreparedModel(report.describe() + "; layers run natively", **native)
+        prompt = "" if model.layer_stack.prompt_passes is None else ", 8-bit codes on prompt rows"
+        return PreparedModel(report.describe() + "; layers run natively" + prompt, **native)
     return PreparedModel(report.describe(), **native)
 
 

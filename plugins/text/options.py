@@ -12,7 +12,7 @@ from ifb.capabilities import DeploySetting
 from ifb_plugins.common.runtime.caps import SYSTEM_PROMPT_CAPTURE
 
 #: ``--quantization``: how a GGUF's matrices run (``build.QUANTIZATION_MODES``)
-QUANTIZATION_CHOICES = ("auto", "int8", "weights-only", "none")
+QUANTIZATION_CHOICES = ("auto", "int16", "int8-prompt", "int8", "weights-only", "none")
 #: ``--kv-cache-dtype`` (``build.KV_CACHE_DTYPES``)
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "float16")
 #: ``--speculative-method``: the draft source
@@ -23,7 +23,8 @@ SPECULATIVE_POLICIES = ("auto", "always")
 SETTINGS = (
     DeploySetting(
         name="quantization", type=click.Choice(QUANTIZATION_CHOICES), default="auto",
-        help="auto: a GGUF's blocks times activations quantized to ~15 bits; int8: to 8 bits (faster, "
+        help="auto: a GGUF's blocks times activations quantized to ~15 bits; int16: the same; int8-prompt: "
+             "8 bits on prompt tokens, ~15 on generated ones (faster prefill); int8: 8 bits everywhere (faster, "
              "coarser); weights-only: times float32 activations; none: dequantize to fp32."),
     DeploySetting(
         name="kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPE_CHOICES), default="auto",

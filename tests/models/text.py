@@ -272,14 +272,15 @@ def save_tiny_gguf(
 @torch.no_grad()
 def greedy_generate_batch(
     model: TextModel, prompts: Sequence[Sequence[int]], n: int, block_size: int = 16,
-    kv_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None, with_prompt_lengths: bool = False,
 ) -> list[list[int]]:
     """Greedy-decode ``n`` tokens for every prompt in one ragged batch over the paged cache.
 
     Step 1 prefills all prompts together; every later step decodes one token per
     sequence. Block ids are interleaved across sequences so a sequence's blocks
     are never contiguous in the cache (as in a real serving run). The KV cache holds
-    ``kv_dtype`` (default: the model's dtype).
+    ``kv_dtype`` (default: the model's dtype). ``with_prompt_lengths``: each step's metadata
+    names the prompts' lengths, as the serving runtime's does.
     """
     device = model.model.norm.weight.device  # the embedding may be looked up in GGUF blocks
     dtype = model.model.norm.weight.dtype
@@ -292,7 +293,8 @@ def greedy_generate_batch(
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(n):
         attn = build_attn_metadata(
-            [(starts[b], len(step_ids[b]), tables[b]) for b in range(len(prompts))], block_size, device
+            [(starts[b], len(step_ids[b]), tables[b]) for b in range(len(prompts))], block_size, device,
+            num_prompt_tokens=[len(p) for p in prompts] if with_prompt_lengths else None,
         )
         flat = [t for ids in step_ids for t in ids]
         positions = [starts[b] + i for b in range(len(prompts)) for i in range(len(step_ids[b]))]
@@ -307,22 +309,25 @@ def greedy_generate_batch(
 
 
 def greedy_generate(model: TextModel, ids: Sequence[int], n: int, block_size: int = 16,
-                    kv_dtype: torch.dtype | None = None) -> list[int]:
+                    kv_dtype: torch.dtype | None = None, with_prompt_lengths: bool = False) -> list[int]:
     """Greedy-decode ``n`` tokens after ``ids`` alone (a batch of one)."""
-    return greedy_generate_batch(model, [ids], n, block_size, kv_dtype)[0]
+    return greedy_generate_batch(model, [ids], n, block_size, kv_dtype, with_prompt_lengths)[0]
 
 
 def build_on_blocks(loaded: Any, raw: Mapping[str, Any] | None = None, backend: str | None = None, *,
-                    activations: str = "int16", layer_stack: str = "torch") -> tuple[TextModel, Any]:
+                    activations: str = "int16", layer_stack: str = "torch",
+                    prompt_activations: str | None = None) -> tuple[TextModel, Any]:
     """``build_model(loaded)`` from ``quant.parts.BlockParts`` over ``raw`` (by default the file's own
     tensors): ``(model, parts.report)``. ``layer_stack="torch"`` keeps the layer loop (its matmuls
-    and attention native all the same); ``"auto"``: the native decoder where the layers fit it."""
+    and attention native all the same); ``"auto"``: the native decoder where the layers fit it
+    (``prompt_activations``: its codes on prompt rows)."""
     from ifb_plugins.common.loading.checkpoint import build_model
     from ifb_plugins.common.loading.gguf import read_gguf_tensors
     from ifb_plugins.common.quant.parts import BlockParts
 
     parts = BlockParts(loaded.config, read_gguf_tensors(loaded.path) if raw is None else raw, loaded.state_dict,
-                       backend, activations=activations, deferred=loaded.deferred, layer_stack=layer_stack)
+                       backend, activations=activations, deferred=loaded.deferred, layer_stack=layer_stack,
+                       prompt_activations=prompt_activations)
     return build_model(loaded, parts=parts), parts.report
 
 

@@ -43,6 +43,9 @@ class AttnMetadata:
     decode_block_ids: torch.Tensor | None = None
     #: [Bd, 1, 1, W * block_size] which gathered slots hold each decode sequence's context
     decode_mask: torch.Tensor | None = None
+    #: each sequence's prompt length (its positions below it are prompt tokens), when the caller
+    #: knows it; the native decoder may quantize prompt rows more coarsely than generated ones
+    num_prompt_tokens_host: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,12 +60,16 @@ def build_attn_metadata(
     seqs: Sequence[tuple[int, int, Sequence[int]]],
     block_size: int,
     device: torch.device | str = "cpu",
+    num_prompt_tokens: Sequence[int] | None = None,
 ) -> AttnMetadata:
     """Build the metadata for one step from ``(start_pos, num_new_tokens, block_ids)`` per sequence.
 
     ``block_ids`` is the sequence's block table; it must cover ``start_pos +
     num_new_tokens`` tokens (extra trailing blocks are allowed and ignored).
+    ``num_prompt_tokens``: each sequence's prompt length, or None (unknown).
     """
+    if num_prompt_tokens is not None and len(num_prompt_tokens) != len(seqs):
+        raise ValueError(f"{len(num_prompt_tokens)} prompt lengths for {len(seqs)} sequences")
     if not seqs:
         raise ValueError("a step needs at least one sequence")
     slots: list[int] = []
@@ -103,6 +110,7 @@ def build_attn_metadata(
         prefill_seq_idx=tuple(b for b, n in enumerate(qlens) if n > 1),
         decode_block_ids=decode_ids,
         decode_mask=decode_mask,
+        num_prompt_tokens_host=None if num_prompt_tokens is None else tuple(num_prompt_tokens),
     )
 
 

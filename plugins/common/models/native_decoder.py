@@ -39,7 +39,7 @@ from ifb_plugins.common.layers.attention import AttnMetadata
 from ifb_plugins.common.models.config import TextModelConfig
 from ifb_plugins.common.layers.moe import ExpertModules, SharedExpert, SparseMoE
 from ifb_plugins.common.models.decoder import MLP, Attention, DecoderLayer
-from ifb_plugins.common.quant.kernels import ACTIVATIONS, KV_DTYPES, Kernels, check_attention_metadata, sources
+from ifb_plugins.common.quant.kernels import ACTIVATIONS, KV_DTYPES, Activations, Kernels, check_attention_metadata, sources
 from ifb_plugins.common.quant.linear import BlockLinear
 
 _ptr, _long, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -186,11 +186,18 @@ def fits_native_decoder(layers: Sequence[nn.Module], config: TextModelConfig) ->
 class NativeDecoder:
     """A ``models.parts.LayerStack``: ``(x, cos, sin, attn, kv_caches) -> x`` for the whole stack in one call."""
 
-    def __init__(self, layers: nn.ModuleList, config: TextModelConfig, kernels: Kernels) -> None:
+    def __init__(self, layers: nn.ModuleList, config: TextModelConfig, kernels: Kernels, *,
+                 prompt_activations: Activations | None = None) -> None:
+        """``prompt_activations`` (``int8``, or None: the weights' own): the codes of the dense layers'
+        matmuls on a step's prompt rows (positions below their sequence's prompt length, where the
+        step's ``AttnMetadata`` gives it), the generated rows keeping their weights' activations."""
         if not fits_native_decoder(layers, config):
             raise ValueError("the native decoder runs layers whose every projection is a BlockLinear")
+        if prompt_activations not in (None, "int16", "int8"):
+            raise ValueError(f"prompt rows take int16 or int8 codes, not {prompt_activations!r}")
         check_layout(kernels)
         self.config = config
+        self.prompt_passes = None if prompt_activations is None else ACTIVATIONS[prompt_activations]
         self.layers = layers  # the model's own modules: the weights the pointers point into
         self._forward = kernels.lib.ifb_decoder_forward
         self._forward.argtypes = [ctypes.POINTER(_Decoder), ctypes.POINTER(_Step), _ptr]
@@ -279,13 +286,34 @@ class NativeDecoder:
             raise ValueError("the native kernels read contiguous int64 attention metadata")
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
         out = x.float().contiguous().clone()  # updated in place: never write into the caller's tensor
+        row_passes = self._row_passes(attn)
         step = _Step(t, rope, attn.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
-                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half)
+                     lens.data_ptr(), lens.shape[0], attn.block_size, k_ptrs, v_ptrs, kv_half,
+                     _ptr_of(row_passes))
         status = self._forward(ctypes.byref(decoder), ctypes.byref(step), out.data_ptr())
         if status == -1:
             raise MemoryError("the native decoder could not allocate its work buffers")
         if status != 0:
             raise RuntimeError(f"the native decoder's block matmuls refused their weights (status {status})")
-        del keep
+        del keep, row_passes
         return out
+
+    def _row_passes(self, attn: AttnMetadata) -> torch.Tensor | None:
+        """The step's rows' passes (``step_t.row_passes``): ``prompt_passes`` on the prompt's positions,
+        the weights' own on the others; None when every row takes the weights' own. A row's codes
+        follow from its position and its sequence's prompt length alone, never from its batch
+        mates or from how the prompt was chunked."""
+        prompts = attn.num_prompt_tokens_host
+        if self.prompt_passes is None or prompts is None:
+            return None
+        own = ACTIVATIONS[self.layers[0].self_attn.o_proj.activations]
+        if own == 0 or own == self.prompt_passes:
+            return None
+        passes = torch.full((sum(attn.query_lens_host),), own, dtype=torch.uint8)
+        row = 0
+        for n, end, prompt in zip(attn.query_lens_host, attn.seq_lens_host, prompts):
+            num_prompt_rows = max(0, min(end, prompt) - (end - n))  # positions end - n .. end - 1
+            passes[row:row + num_prompt_rows] = self.prompt_passes
+            row += n
+        return passes if bool((passes == self.prompt_passes).any()) else None
 

@@ -59,7 +59,7 @@ import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import platformdirs
 import torch
@@ -164,6 +164,9 @@ class Kernels:
         self._matmul = lib.ifb_block_matmul
         self._matmul.argtypes = [ptr, long, long, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, long]
         self._matmul.restype = ctypes.c_int
+        self._matmul_rows = lib.ifb_block_matmul_rows
+        self._matmul_rows.argtypes = [ptr, long, long, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, long, long]
+        self._matmul_rows.restype = ctypes.c_int
         self._interleave = lib.ifb_interleave
         self._interleave.argtypes = [ptr, long, long, ctypes.c_int, ptr]
         self._interleave.restype = None
@@ -227,24 +230,34 @@ class Kernels:
         return out
 
     def block_matmul(self, x: torch.Tensor, blocks: torch.Tensor, kind: int, n: int,
-                     bias: torch.Tensor | None = None, *, activations: Activations = "int16") -> torch.Tensor:
+                     bias: torch.Tensor | None = None, *, activations: Activations = "int16",
+                     row_activations: Sequence[Activations] | None = None) -> torch.Tensor:
         """``x [M, K]`` times ``n`` weight rows interleaved by ``interleave``; float32 ``[M, n]``.
 
         ``bias`` (``[n]``, contiguous float32) is optional. ``activations`` (see
         ``ACTIVATIONS``): ``int16`` (the default) and ``int8`` quantize each row of ``x`` per
         32-block and multiply the blocks in integers (VNNI where the CPU has it); ``float32``
         rebuilds the weights in float32, the result differing from a float32 matmul by
-        summation order only.
+        summation order only. ``row_activations`` (``int16`` or ``int8`` per row of ``x``, with
+        integer ``activations``): each row's own codes, its result that of a call at its
+        activations (what the native decoder runs prompt rows with).
         """
         x = _rows(x)
         m, k = x.shape
+        row_passes = None
+        if row_activations is not None:
+            if activations not in ("int16", "int8") or len(row_activations) != m \
+                    or not set(row_activations) <= {"int16", "int8"}:
+                raise ValueError(f"row_activations: int16 or int8 for each of the {m} rows, with integer activations")
+            row_passes = torch.tensor([ACTIVATIONS[a] for a in row_activations], dtype=torch.uint8)
         if kind >= 3 and activations == "float32":
             raise ValueError("the K-quant kinds take int16 or int8 activations")
         if blocks.shape[0] != -(-n // 16) * 16 or blocks.shape[1] != kind_row_bytes(kind, k):
             raise ValueError(f"{tuple(blocks.shape)} interleaved blocks do not hold {n} rows of {k}")
         out = torch.empty(m, n, dtype=torch.float32)
-        status = self._matmul(x.data_ptr(), m, k, blocks.data_ptr(), kind, ACTIVATIONS[activations],
-                              None if bias is None else bias.data_ptr(), out.data_ptr(), n)
+        status = self._matmul_rows(x.data_ptr(), m, k, blocks.data_ptr(), kind, ACTIVATIONS[activations],
+                                   None if row_passes is None else row_passes.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, n)
         if status == -1:
             raise MemoryError(f"no memory for the codes of {m} x {k} activations")
         if status != 0:

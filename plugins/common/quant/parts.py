@@ -58,6 +58,7 @@ class BlockParts(ModelParts):
 
     def __init__(self, config: TextModelConfig, raw: Mapping[str, GGUFTensor], state: Mapping[str, torch.Tensor],
                  backend: Backend | None = None, *, activations: qkernels.Activations = "int16",
+                 prompt_activations: qkernels.Activations | None = None,
                  deferred: Iterable[str] = (), layer_stack: StackChoice = "auto") -> None:
         super().__init__()
         if activations not in qkernels.ACTIVATIONS:
@@ -68,6 +69,8 @@ class BlockParts(ModelParts):
         self.deferred = frozenset(deferred)
         self.backend = backend or choose_backend()
         self.activations = activations
+        #: the native decoder's codes on prompt rows (None: ``activations``; see ``NativeDecoder``)
+        self.prompt_activations = prompt_activations
         self.stack_choice = layer_stack
         self.kernels = qkernels.load() if self.backend == "native" else None
         if self.backend == "native" and self.kernels is None:
@@ -281,7 +284,7 @@ class BlockParts(ModelParts):
 
     def layer_stack(self, layers: nn.ModuleList, config: TextModelConfig) -> LayerStack:
         if self.stack_choice == "auto" and self.kernels is not None and fits_native_decoder(layers, config):
-            return NativeDecoder(layers, config, self.kernels)
+            return NativeDecoder(layers, config, self.kernels, prompt_activations=self.prompt_activations)
         return super().layer_stack(layers, config)
 
     @property

@@ -300,7 +300,8 @@ class TextRuntime:
         seqs = step.seqs
         input_ids = [t for s in seqs for t in s.token_ids]
         attn = build_attn_metadata([(s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
-                                   self.kv_block_size, self.device)
+                                   self.kv_block_size, self.device,
+                                   num_prompt_tokens=[seat.num_prompt_tokens for seat in seats])
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = self.step_positions(step, seats)
         return self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, seats, ids))

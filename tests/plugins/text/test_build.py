@@ -69,7 +69,7 @@ def test_quantization_option_and_what_stays_float32(tiny_gguf: Path, tmp_path: P
     assert quantization_mode(DeployConfig()) == "auto"
     assert quantization_mode(DeployConfig(options={"quantization": "none"})) == "none"
     assert quantization_mode(DeployConfig(options={"quantization": "weights-only"})) == "weights-only"
-    with pytest.raises(ValueError, match="quantization must be one of auto, int8, weights-only, none"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, int16, int8-prompt, int8, weights-only, none"):
         quantization_mode(DeployConfig(options={"quantization": "int3"}))
     loaded = load_checkpoint(tiny_gguf)
     model, prepared = build_text_model(loaded, "none", has_lora=False)
@@ -97,16 +97,20 @@ def test_kv_cache_dtype_option() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("quantization", ["int8", "weights-only"])
+@pytest.mark.parametrize("quantization", ["int8", "weights-only", "int8-prompt", "int16"])
 def test_int8_and_weights_only_batch_like_solo_with_staggered_arrivals(tiny_gguf: Path, quantization: str) -> None:
     # the same engine-level check as the default mode's: chunked prefills of joiners share steps
-    # with residents' decodes, and every request's greedy tokens are those it gets alone
+    # with residents' decodes, and every request's greedy tokens are those it gets alone (int8-prompt:
+    # a row's codes follow its position, whatever chunk or batch it comes in)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     with LLM(str(tiny_gguf), quantization=quantization, enable_in_flight_batching=True, max_batch_size=4,
              max_num_batched_tokens=16) as llm:
-        down = llm.deployment.runtime.model.model.layers[0].mlp.down_proj
-        assert isinstance(down, quant.BlockLinear) and down.activations == {"int8": "int8",
-                                                                            "weights-only": "float32"}[quantization]
+        model = llm.deployment.runtime.model
+        down = model.model.layers[0].mlp.down_proj
+        assert isinstance(down, quant.BlockLinear) and down.activations == {
+            "int8": "int8", "weights-only": "float32", "int8-prompt": "int16", "int16": "int16"}[quantization]
+        assert isinstance(model.layer_stack, NativeDecoder)
+        assert model.layer_stack.prompt_passes == (1 if quantization == "int8-prompt" else None)
         alone = [list(llm.engine.submit(RequestSpec(prompt_token_ids=tuple(p), params=params)).result().token_ids)
                  for p in PROMPTS]
         batched = submit_staggered(llm.engine, [RequestSpec(prompt_token_ids=tuple(p), params=params)

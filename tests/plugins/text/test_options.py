@@ -18,5 +18,5 @@ def test_the_flags_offer_what_the_build_reads() -> None:
 
 
 def test_a_bad_keyword_is_refused_before_anything_loads() -> None:
-    with pytest.raises(ValueError, match=r"--quantization \(quantization\): 'int3' is not one of 'auto', 'int8'"):
+    with pytest.raises(ValueError, match=r"--quantization \(quantization\): 'int3' is not one of 'auto', 'int16', 'int8-prompt', 'int8'"):
         LLM("no-such-model", quantization="int3")

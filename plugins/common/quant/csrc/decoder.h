@@ -9,20 +9,27 @@
 
 #include "decoder_params.h" /* weight_t, layer_t, decoder_t, step_t */
 
+/* row_passes: the step's rows' own passes (step_t), or NULL; a weight with float32 activations
+ * (passes 0) ignores them. */
+static int matmul_rows_of(const weight_t *w, const float *x, long m, float *y, const uint8_t *row_passes) {
+    return ifb_block_matmul_rows(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes,
+                                 w->passes == 0 ? NULL : row_passes, w->bias, y, w->n, w->n);
+}
+
 static int matmul_rows(const weight_t *w, const float *x, long m, float *y) {
-    return ifb_block_matmul(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y, w->n);
+    return matmul_rows_of(w, x, m, y, NULL);
 }
 
 /* The q | k | v rows of y [m, row]: one matmul when they share a block kind, else one per part,
  * each into its columns. */
-static int qkv_rows(const layer_t *L, const float *x, long m, float *y, long row) {
+static int qkv_rows(const layer_t *L, const float *x, long m, float *y, long row, const uint8_t *row_passes) {
     const weight_t *parts[3] = {&L->qkv, &L->k_rows, &L->v_rows};
     long at = 0;
     for (int i = 0; i < 3; i++) {
         const weight_t *w = parts[i];
         if (w->n == 0) continue;
-        int status = ifb_block_matmul_ld(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes, w->bias, y + at,
-                                         w->n, row);
+        int status = ifb_block_matmul_rows(x, m, w->k, w->blocks, (int)w->kind, (int)w->passes,
+                                           w->passes == 0 ? NULL : row_passes, w->bias, y + at, w->n, row);
         if (status != 0) return status;
         at += w->n;
     }
@@ -145,23 +152,23 @@ int ifb_decoder_forward(const decoder_t *m, const step_t *s, float *x) {
         /* the previous layer's MLP output (in delta) joins the residual stream here */
         rows_t rows = {m, s, L, l, x, h, qkv, gu, act, l > 0 ? delta : NULL, L->attn_norm};
         run_elementwise(add_norm_rows, &rows, t, t * hidden);
-        if ((status = qkv_rows(L, h, t, qkv, row)) != 0) break;
+        if ((status = qkv_rows(L, h, t, qkv, row, s->row_passes)) != 0) break;
         run_elementwise(rope_store_rows, &rows, t, t * row);
         job_t job = {.kind = 1, .count = t * hkv};
         job.at = (attention_t){qkv, row, t, hq, hkv, d, s->k_caches[l], s->v_caches[l], (int)s->kv_half, s->block_size,
                                s->block_tables, s->width, s->query_start_loc, s->seq_lens, token_seq, max_ctx,
                                1.0f / sqrtf((float)d), att};
         run_job(&job, work);
-        if ((status = matmul_rows(&L->o, att, t, delta)) != 0) break;
+        if ((status = matmul_rows_of(&L->o, att, t, delta, s->row_passes)) != 0) break;
         rows.delta = delta;
         rows.norm = L->mlp_norm;
         run_elementwise(add_norm_rows, &rows, t, t * hidden);
         if (L->num_experts > 0) {
             if ((status = moe_rows(m, L, h, t, delta)) != 0) break;
         } else {
-            if ((status = matmul_rows(&L->gate_up, h, t, gu)) != 0) break;
+            if ((status = matmul_rows_of(&L->gate_up, h, t, gu, s->row_passes)) != 0) break;
             run_elementwise(silu_of_rows, &rows, t, t * 2 * inter);
-            if ((status = matmul_rows(&L->down, act, t, delta)) != 0) break;
+            if ((status = matmul_rows_of(&L->down, act, t, delta, s->row_passes)) != 0) break;
         }
         if (l == m->num_layers - 1)
             for (long i = 0; i < t * hidden; i++) x[i] = x[i] + delta[i];

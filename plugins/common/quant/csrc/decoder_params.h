@@ -61,7 +61,12 @@
     F(long, block_size)                                                                     \
     F(void *const *, k_caches)      /* [num_layers] of [blocks, block_size, hkv, d] */      \
     F(void *const *, v_caches)                                                              \
-    F(long, kv_half)                /* the caches hold float16 (else float32) */
+    F(long, kv_half)                /* the caches hold float16 (else float32) */            \
+    F(const uint8_t *, row_passes)  /* [t]: each row's passes (1, 2), or NULL (see below) */
+
+/* row_passes: the dense layers' integer matmuls quantize row r to row_passes[r]'s codes instead of
+ * their weights' passes (the prompt's rows 8-bit, generated ones 15-bit: NativeDecoder); the
+ * mixture-of-experts layers' matmuls keep their weights' passes. */
 
 /* Every struct, in the order the layout report lists them. */
 #define IFB_DECODER_STRUCTS(S)                                                              \

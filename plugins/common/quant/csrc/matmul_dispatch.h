@@ -23,6 +23,33 @@ INLINE void groups_q8(const matmul_t *job, long g0, long g1, int kind, int P) {
     }
 }
 
+/* Rows [h0, h1) over groups [g, g + C) when rows take their own passes (job->row_passes): each run
+ * of rows with equal passes through that pass count's tiles. A row's sums are those of a call
+ * whose every row had its passes: the tiles' results never depend on the rows beside them. */
+INLINE void rows_by_passes(const matmul_t *job, long h0, long h1, long g, int C, int kind) {
+    for (long a = h0; a < h1;) {
+        long b = a + 1;
+        while (b < h1 && job->row_passes[b] == job->row_passes[a]) b++;
+        if (job->row_passes[a] == 1)
+            rows_q8(job, a, b, g, C, kind, 1);
+        else
+            rows_q8(job, a, b, g, C, kind, 2);
+        a = b;
+    }
+}
+
+/* groups_q8 for rows of mixed passes (no AMX): the same row blocks, each group's weights read
+ * once per row block whatever the runs in it. */
+INLINE void groups_by_passes(const matmul_t *job, long g0, long g1, int kind) {
+    long height = XQ_BLOCK_BYTES / job->k;
+    if (height < MAX_RQ) height = MAX_RQ;
+    for (long h0 = 0; h0 < job->m; h0 += height) {
+        long h1 = h0 + height < job->m ? h0 + height : job->m, g = g0;
+        for (; g + 2 <= g1; g += 2) rows_by_passes(job, h0, h1, g, 2, kind);
+        for (; g < g1; g++) rows_by_passes(job, h0, h1, g, 1, kind);
+    }
+}
+
 /* One function for each kind and pass count: inlined into one large function, the tiles' sums were
  * spilled to the stack around every dot (a 4-row K4 tile ran 1.6 times slower so). */
 #define GROUPS_OF(KIND, P)                                                                          \
@@ -42,8 +69,25 @@ GROUPS_OF(K6, 2)
 GROUPS_OF(K5, 1)
 GROUPS_OF(K5, 2)
 #undef GROUPS_OF
+#define GROUPS_BY_PASSES_OF(KIND)                                                                   \
+    static __attribute__((noinline)) void groups_##KIND##_rows(const matmul_t *job, long g0, long g1) { \
+        groups_by_passes(job, g0, g1, KIND);                                                        \
+    }
+GROUPS_BY_PASSES_OF(Q4_0)
+GROUPS_BY_PASSES_OF(Q4_1)
+GROUPS_BY_PASSES_OF(Q8_0)
+GROUPS_BY_PASSES_OF(K4)
+GROUPS_BY_PASSES_OF(K6)
+GROUPS_BY_PASSES_OF(K5)
+#undef GROUPS_BY_PASSES_OF
 
 static void run_columns(const matmul_t *job, long g0, long g1) {
+    static void (*const by_row[6])(const matmul_t *, long, long) = {
+        groups_Q4_0_rows, groups_Q4_1_rows, groups_Q8_0_rows, groups_K4_rows, groups_K6_rows, groups_K5_rows};
+    if (job->row_passes != NULL) {
+        by_row[job->kind](job, g0, g1);
+        return;
+    }
     static void (*const integer[6][2])(const matmul_t *, long, long) = {
         {groups_Q4_0_1, groups_Q4_0_2}, {groups_Q4_1_1, groups_Q4_1_2}, {groups_Q8_0_1, groups_Q8_0_2},
         {groups_K4_1, groups_K4_2},     {groups_K6_1, groups_K6_2},     {groups_K5_1, groups_K5_2}};

@@ -33,6 +33,7 @@ typedef struct {
     int8_t *xq;
     float *xs, *xsum;
     int32_t *qsum, *qsum16;
+    const uint8_t *row_passes; /* [m] or NULL (see matmul_t) */
 } quantize_t;
 
 /* Blocks [i0, i1) of x (block i: row i / (k / 32), its 32 values from column 32 * (i % (k / 32))). */
@@ -40,12 +41,13 @@ static void quantize_blocks(const void *arg, long i0, long i1) {
     const quantize_t *a = (const quantize_t *)arg;
     const float *x = a->x;
     long k = a->k, mq = a->mq;
-    int passes = a->passes;
+    const uint8_t *row_passes = a->row_passes;
     int8_t *xq = a->xq;
     float *xs = a->xs, *xsum = a->xsum;
     int32_t *qsum = a->qsum, *qsum16 = a->qsum16;
-    float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
     for (long i = i0; i < i1; i++) {
+        int passes = row_passes != NULL ? row_passes[i / (k / QK)] : a->passes;
+        float levels = passes == 2 ? LEVELS_2 : LEVELS_1;
         const float *p = x + i * QK;
         int8_t *q = xq + i * QK, *q2 = q + mq * k; /* the second part (two passes) */
         int32_t sum = 0, first = 0; /* first: the sum of codes 0..15 */
@@ -108,12 +110,17 @@ static void quantize_blocks(const void *arg, long i0, long i1) {
     }
 }
 
-/* Per-block codes (as `passes` int8 parts), scales and sums of x [m, k]; qsum16 (or NULL): the sums
- * of each half block's codes. */
+/* Per-block codes (as `passes` int8 parts, or row r's row_passes[r] when row_passes is not NULL),
+ * scales and sums of x [m, k]; qsum16 (or NULL): the sums of each half block's codes. */
+static void quantize_rows_of(const float *x, long m, long k, int passes, const uint8_t *row_passes, long mq,
+                             int8_t *xq, float *xs, int32_t *qsum, float *xsum, int32_t *qsum16) {
+    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum, qsum16, row_passes};
+    run_elementwise(quantize_blocks, &a, m * (k / QK), m * k);
+}
+
 static void quantize_rows(const float *x, long m, long k, int passes, long mq, int8_t *xq, float *xs,
                           int32_t *qsum, float *xsum, int32_t *qsum16) {
-    quantize_t a = {x, k, mq, passes, xq, xs, xsum, qsum, qsum16};
-    run_elementwise(quantize_blocks, &a, m * (k / QK), m * k);
+    quantize_rows_of(x, m, k, passes, NULL, mq, xq, xs, qsum, xsum, qsum16);
 }
 
 /* acc after block b of row r: the block's integer sum s (Q8_0: with Q8_OFFSET's offset) through

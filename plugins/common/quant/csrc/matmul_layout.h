@@ -45,6 +45,7 @@ typedef struct {
     long mq;               /* rows of codes: m, or m padded with zero rows to whole AMX tiles */
     const int32_t *qsum16; /* [mq, k / 16] sums of each half block's codes (K6's sub-blocks) */
     long ldy;              /* y's row stride (n, or more: a slice of wider rows) */
+    const uint8_t *row_passes; /* [m]: each row's own passes (1 or 2), or NULL: every row `passes` */
 } matmul_t;
 
 /* Bytes of one group's block, and of its scales (and minima) before the code chunks; of one

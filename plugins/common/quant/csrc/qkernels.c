@@ -53,28 +53,53 @@ int ifb_qk_isa(void) { return IFB_ISA; }
 /* y [m, n] = x [m, k] (float32, row-major, k a multiple of 32) times the weight rows in `blocks`
  * (interleaved by ifb_interleave from GGUF blocks of `kind`, or by ifb_interleave_kquant for K4, K6
  * and K5), plus bias [n] (or NULL); y's rows are ldy floats apart (n: a plain [m, n] matrix).
- * `passes`: x quantized to 15-bit (2) or 8-bit (1) integer codes per block, or used as float32 (0:
+ * `passes`: x quantized to 15-bit (2) or 8-bit (1) integer codes per block of 32, or used as float32 (0:
  * not for the K kinds). 0; -1 without memory for the codes (y untouched); -2 for an unknown kind. */
+int ifb_block_matmul_rows(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                          const uint8_t *row_passes, const float *bias, float *y, long n, long ldy);
+
 int ifb_block_matmul_ld(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
                         const float *bias, float *y, long n, long ldy) {
+    return ifb_block_matmul_rows(x, m, k, blocks, kind, passes, NULL, bias, y, n, ldy);
+}
+
+/* ifb_block_matmul_ld with each row's own passes: row r's codes are row_passes[r]'s (1 or 2) when
+ * row_passes is not NULL (then `passes` must be 1 or 2 too); row r's result is then the one a call
+ * at row_passes[r] for every row gives it. -2 also for a row_passes entry other than 1 or 2. */
+int ifb_block_matmul_rows(const float *x, long m, long k, const uint8_t *blocks, int kind, int passes,
+                          const uint8_t *row_passes, const float *bias, float *y, long n, long ldy) {
     if (kind < Q4_0 || kind > K5 || (kind >= K4 && passes != 1 && passes != 2) || ldy < n) return -2;
+    if (row_passes != NULL) {
+        if (passes != 1 && passes != 2) return -2;
+        int uniform = 1;
+        for (long r = 0; r < m; r++) {
+            if (row_passes[r] != 1 && row_passes[r] != 2) return -2;
+            uniform &= row_passes[r] == row_passes[0];
+        }
+        if (uniform) { /* one pass count: the plain path (AMX where it runs) */
+            if (m > 0) passes = row_passes[0];
+            row_passes = NULL;
+        }
+    }
     job_t job = {.kind = 0, .count = (n + GROUP - 1) / GROUP, .mm = {kind, 0, x, m, k, n, blocks, bias, y}};
     job.mm.ldy = ldy;
+    job.mm.row_passes = row_passes;
     if (passes == 1 || passes == 2) { /* the caller's buffers: helpers read them only while it waits */
         static __thread void *codes_buf;
         static __thread size_t codes_cap;
         long mq = m;
+        int parts = row_passes != NULL ? 2 : passes;
 #if HAS_AMX
-        job.mm.use_amx = m >= AMX_PAD_MIN && amx_usable();
+        job.mm.use_amx = row_passes == NULL && m >= AMX_PAD_MIN && amx_usable();
         if (job.mm.use_amx && m % AMX_ROWS >= AMX_PAD_MIN) mq = (m / AMX_ROWS + 1) * AMX_ROWS;
 #endif
         size_t nbk = (size_t)(mq * (k / QK)), real = (size_t)(m * (k / QK));
-        void *buf = reserve(&codes_buf, &codes_cap, (size_t)(passes * mq * k) + 20 * nbk);
+        void *buf = reserve(&codes_buf, &codes_cap, (size_t)(parts * mq * k) + 20 * nbk);
         if (buf == NULL) return -1;
         float *xs = (float *)buf, *xsum = xs + nbk; /* the 4-byte arrays first: aligned */
         int32_t *qsum = (int32_t *)(xsum + nbk), *qsum16 = qsum + nbk;
         int8_t *xq = (int8_t *)(qsum16 + 2 * nbk);
-        quantize_rows(x, m, k, passes, mq, xq, xs, qsum, xsum, kind == K6 ? qsum16 : NULL);
+        quantize_rows_of(x, m, k, passes, row_passes, mq, xq, xs, qsum, xsum, kind == K6 ? qsum16 : NULL);
         if (mq > m) { /* zero rows: zero codes and scales, results computed and dropped */
             for (int pass = 0; pass < passes; pass++)
                 memset(xq + pass * mq * k + m * k, 0, (size_t)((mq - m) * k));
