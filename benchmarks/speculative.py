@@ -189,10 +189,10 @@ def llama_binary(path: str | None) -> Path | None:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, extra: list[str], seats: int, log: Path):
+def llama_server(binary: Path, model: Path, extra: list[str], seats: int, log: Path, threads: int | None = None):
     port = free_port()
     command = [str(binary), "-m", str(model), "--port", str(port), "-np", str(seats), "-c", str(seats * 2048),
-               "-t", str(os.cpu_count()), "--no-webui", *extra]
+               "-t", str(threads or os.cpu_count()), "--no-webui", *extra]
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     with log.open("w") as handle:
         proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
@@ -218,7 +218,7 @@ def llama_chat(url: str, prompt: str, max_tokens: int, tag: str = "") -> dict:
 
 
 def llama_pair(binary: Path, model: Path, extra: list[str], names: tuple[str, str], max_tokens: int,
-               out_dir: Path, seats: int = 1) -> dict:
+               out_dir: Path, seats: int = 1, threads: int | None = None) -> dict:
     drafted: list[dict] = []
 
     def one(url: str, keep: bool):
@@ -240,8 +240,8 @@ def llama_pair(binary: Path, model: Path, extra: list[str], names: tuple[str, st
             return sum(r["tokens"] for r in results) / (time.perf_counter() - start)
         return run
 
-    with llama_server(binary, model, [], seats, out_dir / f"llama-{names[0]}-{seats}.log") as ua, \
-            llama_server(binary, model, extra, seats, out_dir / f"llama-{names[1]}-{seats}.log") as ub:
+    with llama_server(binary, model, [], seats, out_dir / f"llama-{names[0]}-{seats}.log", threads) as ua, \
+            llama_server(binary, model, extra, seats, out_dir / f"llama-{names[1]}-{seats}.log", threads) as ub:
         if seats == 1:
             a, b = abba(one(ua, False), one(ub, True), TASKS)
         else:
@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--seats", type=int, default=16)
     parser.add_argument("--busy-max-tokens", type=int, default=32)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server (default: llama_cpp_build.py's build)")
+    parser.add_argument("--llama-threads", type=int, help="threads of each llama.cpp server (default: every core)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="ifb's side only")
     parser.add_argument("--out", type=Path, default=HERE.parent / "bench-results" / "speculative.json")
     parser.add_argument("--publish", action="store_true", help=f"also write the summary to {SUMMARY.name}")
@@ -289,11 +290,12 @@ def main() -> None:
         ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "6"]
         draft = ["--spec-type", "draft-simple", "--model-draft", str(model), "--spec-draft-n-max", "4"]
         raw = args.out.parent
-        done("llama_cpp_batch1_ngram", llama_pair(binary, model, ngram, ("plain", "ngram"), args.max_tokens, raw))
+        done("llama_cpp_batch1_ngram", llama_pair(binary, model, ngram, ("plain", "ngram"), args.max_tokens, raw,
+                                                      threads=args.llama_threads))
         done("llama_cpp_batch1_draft", llama_pair(binary, model, draft, ("plain", "draft_model"),
-                                                  args.none_max_tokens, raw))
+                                                  args.none_max_tokens, raw, threads=args.llama_threads))
         done("llama_cpp_busy", llama_pair(binary, model, ngram, ("plain", "ngram"), args.busy_max_tokens, raw,
-                                          seats=args.seats))
+                                          seats=args.seats, threads=args.llama_threads))
     report["load_after"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=1))
     if args.publish:
