@@ -16,9 +16,10 @@ DEFAULT_NGRAM_MIN, DEFAULT_NGRAM_MAX = 2, 4
 
 #: a verified position's cost relative to a one-token step at batch 1, per --quantization mode, as
 #: benchmarks/speculative.py measured it on the default model (docs/engine.md): the native kernels'
-#: step grows by about 0.4 of itself per position (int8 and weights-only assumed alike), the float32
-#: torch path's hardly at all (it streams its weights once for every row)
-POSITION_COST = {"auto": 0.4, "int16": 0.4, "int8-prompt": 0.4, "int8": 0.4, "weights-only": 0.4, "none": 0.02}
+#: step grows by about 0.1-0.2 of itself per position (their 4-row tiles decode each weight block once
+#: for up to 4 rows; int8 and weights-only assumed alike), the float32 torch path's hardly at all (it
+#: streams its weights once for every row)
+POSITION_COST = {"auto": 0.15, "int16": 0.15, "int8-prompt": 0.15, "int8": 0.15, "weights-only": 0.15, "none": 0.02}
 
 #: the settings that only mean something with a draft source
 _NEEDS_METHOD = ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_policy",

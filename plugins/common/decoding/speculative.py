@@ -73,15 +73,16 @@ def verify_drafts(
     k = len(drafts)
     if logits.dim() != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"verify_drafts: {k} drafts need {k + 1} rows of logits, not {tuple(logits.shape)}")
-    histories = [list(history) + list(drafts[:j]) for j in range(k + 1)]
     tokens: list[int] = []
     if params.is_greedy and not _has_penalty(params):
+        # no history is read: the rows' argmaxes against the drafts, nothing copied per row
         targets = argmax(logits) if argmax is not None else logits.max(dim=-1).indices.tolist()
         for j in range(k + 1):
             tokens.append(targets[j])
             if j == k or targets[j] != drafts[j]:
                 break
     else:
+        histories = [list(history) + list(drafts[:j]) for j in range(k + 1)]
         work = logits.float().clone()
         if _has_penalty(params):
             for j in range(k + 1):
