@@ -86,3 +86,36 @@ def test_bad_window_or_sinks_are_refused() -> None:
         KERNELS.paged_attention(q, k_cache, v_cache, attn, window=0)
     with pytest.raises(ValueError, match="query heads"):
         KERNELS.paged_attention(q, k_cache, v_cache, attn, sinks=sinks[:3])
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_a_family_model_on_the_native_kernel_equals_its_torch_attention(family: str, tmp_path) -> None:
+    """The whole model, native attention against the torch path on the same weights: a prompt longer
+    than the sliding window, then decode steps of it and a second sequence batched together."""
+    import attrs
+
+    from ifb_plugins.text.families import build_family_model
+    from tests.models.gemma4 import save_tiny_gemma4
+    from tests.models.gpt_oss import save_tiny_gpt_oss
+
+    save = save_tiny_gpt_oss if family == "gpt_oss" else save_tiny_gemma4
+    native, _ = build_family_model(save(tmp_path / family, seed=3))
+    assert native.config.attention_backend == "native"
+    with torch.device("meta"):
+        twin = type(native)(attrs.evolve(native.config, attention_backend="torch"))
+    twin.load_state_dict(native.state_dict(), strict=True, assign=True)
+    prompt = [(5 * i) % 280 + 7 for i in range(41)]  # past the window (16)
+    steps = [[(0, 41, [0, 1, 2])], [(41, 1, [0, 1, 2]), (0, 9, [4])], [(42, 1, [0, 1, 2]), (9, 1, [4])]]
+    tokens = [prompt, [11] + list(range(30, 39)), [13, 14]]
+    outs = {}
+    for name, model in (("native", native), ("torch", twin)):
+        caches = model.allocate_kv_caches(6, 16, torch.float32, "cpu")
+        outs[name] = []
+        for step, ids in zip(steps, tokens):
+            attn = build_attn_metadata(step, 16)
+            positions = torch.cat([torch.arange(s, s + n) for s, n, _ in step])
+            with torch.no_grad():
+                outs[name].append(model.compute_logits(model(torch.tensor(ids), positions, attn, caches)))
+    for got, want in zip(outs["native"], outs["torch"]):
+        assert (got - want).abs().max().item() < 1e-4
