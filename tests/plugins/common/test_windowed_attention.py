@@ -32,7 +32,7 @@ def _inputs(dim: int, kv_dtype: torch.dtype, heads: int = 6, kv_heads: int = 2):
 @pytest.mark.parametrize("build", range(len(KERNEL_BUILDS)), ids=lambda i: KERNEL_BUILD_NAMES[i])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv-float32", "kv-float16"])
 @pytest.mark.parametrize("dim", [32, 64])  # 64: the value sums kept in registers
-@pytest.mark.parametrize("window", [None, 1, 5, 8, 64])  # 5: windows that start inside a block
+@pytest.mark.parametrize("window", [None, 1, 5])  # 5: windows that start inside a block
 def test_sinks_and_window_match_gpt_oss_torch_attention(build: int, kv_dtype: torch.dtype, dim: int,
                                                         window: int | None) -> None:
     kernels = KERNEL_BUILDS[build]
