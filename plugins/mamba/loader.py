@@ -11,17 +11,20 @@ uses: the saved ``block_sparse_moe.input_linear`` / ``output_linear`` /
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import attrs
 import torch
 
-from ifb_plugins.mamba.config import ConfigError, HybridConfig
+from ifb_plugins.mamba.config import DELTANET, ConfigError, HybridConfig
 from ifb_plugins.mamba.model import HybridModel
 from ifb_plugins.common.layers.moe import fuse_expert_state
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
+
+log = logging.getLogger("ifb.mamba")
 
 
 @attrs.frozen
@@ -196,4 +199,10 @@ def build_hybrid_model(loaded: LoadedHybrid, device: torch.device | str = "cpu")
         tensor.data = tensor.data.clone()
     # Per-token matmuls make CPU results independent of the batch; on CUDA the plain GEMMs run.
     model.set_row_invariant(torch.device(device).type == "cpu")
+    if DELTANET in loaded.config.pattern:
+        # The native whole-stack decoder runs layer stacks whose every projection is on GGUF blocks;
+        # this plugin's weights are float32 tensors (its GGUF files are dequantized as they load), so
+        # the float32 projections, not the recurrence's few tensor operations, bound a step.
+        log.info("Gated DeltaNet layers run on the torch path: the hybrid plugin's weights are float32, "
+                 "not GGUF blocks, so the native whole-stack decoder does not take them")
     return model.eval()

@@ -57,15 +57,28 @@ def is_gpt_oss_gguf(path: Path) -> bool:
     return field is not None and bytes(field.parts[-1]).decode() == "gpt-oss"
 
 
+def attention_backend(device, dtype: torch.dtype) -> str:
+    """What computes a family model's attention, chosen as it is built: the Triton kernel on a CUDA
+    device, the native kernel (window and sinks in C, float32) on a CPU that can build it, else torch."""
+    if torch.device(device).type == "cuda":
+        return "triton"
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        from ifb_plugins.common.quant import kernels
+
+        if kernels.load() is not None:
+            return "native"
+        log.info("attention runs on torch: the native kernels are unavailable (see the warning above)")
+    return "torch"
+
+
 def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), in ``dtype`` on
     ``device``."""
     if getattr(config, "tie_word_embeddings", True):
         state.pop("lm_head.weight", None)
-    if torch.device(device).type == "cuda" and "attention_backend" in attrs.fields_dict(type(config)):
-        # attention on the Triton kernel, chosen as the model is built
-        config = attrs.evolve(config, attention_backend="triton")
+    if "attention_backend" in attrs.fields_dict(type(config)):
+        config = attrs.evolve(config, attention_backend=attention_backend(device, dtype))
     with torch.device("meta"):
         model = model_cls(config)
     try:

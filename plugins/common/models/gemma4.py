@@ -76,8 +76,8 @@ class Gemma4Config:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
-    #: what computes attention: ``torch`` (``windowed_attention``) or ``triton``
-    #: (``layers.triton_attention``, the choice of a model built for a CUDA device)
+    #: what computes attention: ``torch`` (``windowed_attention``), ``triton`` (``layers.triton_attention``,
+    #: the choice of a model built for a CUDA device) or ``native`` (``quant.kernels``, float32 on a CPU)
     attention_backend: str = "torch"
     #: the token a media placeholder reads as for the per-layer inputs (the image-text model)
     pad_token_id: int = 0
@@ -220,6 +220,20 @@ def triton_windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return paged_attention(q, k_cache, v_cache, attn, scale=1.0, window=window)
 
 
+def native_windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata,
+                              window: int | None) -> torch.Tensor:
+    """``windowed_attention`` on the native CPU kernel (``quant.kernels``); blocks before the window
+    are never read."""
+    from ifb_plugins.common.quant.kernels import require
+
+    return require().paged_attention(q, k_cache, v_cache, attn, scale=1.0, window=window).to(q.dtype)
+
+
+#: ``Gemma4Config.attention_backend`` -> its attention
+ATTENTION_BACKENDS = {"torch": windowed_attention, "triton": triton_windowed_attention,
+                      "native": native_windowed_attention}
+
+
 class Attention(nn.Module):
     def __init__(self, config: Gemma4Config, index: int) -> None:
         super().__init__()
@@ -237,7 +251,7 @@ class Attention(nn.Module):
             self.v_proj = None if s.values_are_keys else nn.Linear(h, s.num_kv_heads * s.head_dim, bias=bias)
             self.k_norm = Norm(s.head_dim, eps)
             self.v_norm = Norm(s.head_dim, eps, with_scale=False)
-        self.attend = triton_windowed_attention if config.attention_backend == "triton" else windowed_attention
+        self.attend = ATTENTION_BACKENDS[config.attention_backend]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

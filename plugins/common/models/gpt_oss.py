@@ -61,8 +61,8 @@ class GptOssConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = True
-    #: what computes attention: ``torch`` (``sink_attention``) or ``triton`` (``layers.triton_attention``,
-    #: the choice of a model built for a CUDA device)
+    #: what computes attention: ``torch`` (``sink_attention``), ``triton`` (``layers.triton_attention``,
+    #: the choice of a model built for a CUDA device) or ``native`` (``quant.kernels``, float32 on a CPU)
     attention_backend: str = "torch"
 
     @property
@@ -178,6 +178,20 @@ def triton_sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return paged_attention(q, k_cache, v_cache, attn, scale=scale, window=window, sinks=sinks)
 
 
+def native_sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttnMetadata,
+                          sinks: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """``sink_attention`` on the native CPU kernel (``quant.kernels``): every (token, head) on its own,
+    no per-sequence gather of the context, blocks before the window never read."""
+    from ifb_plugins.common.quant.kernels import require
+
+    out = require().paged_attention(q, k_cache, v_cache, attn, scale=scale, window=window, sinks=sinks)
+    return out.to(q.dtype)
+
+
+#: ``GptOssConfig.attention_backend`` -> its attention
+ATTENTION_BACKENDS = {"torch": sink_attention, "triton": triton_sink_attention, "native": native_sink_attention}
+
+
 class Attention(nn.Module):
     def __init__(self, config: GptOssConfig, index: int) -> None:
         super().__init__()
@@ -189,7 +203,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(c.num_heads))
-        self.attend = triton_sink_attention if c.attention_backend == "triton" else sink_attention
+        self.attend = ATTENTION_BACKENDS[c.attention_backend]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

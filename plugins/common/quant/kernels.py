@@ -180,6 +180,10 @@ class Kernels:
         self._attention.argtypes = [ptr, long, long, long, long, long, ptr, ptr, ctypes.c_int, long, ptr, long, ptr,
                                     ptr, long, ctypes.c_float, ptr]
         self._attention.restype = None
+        self._windowed = lib.ifb_windowed_attention
+        self._windowed.argtypes = [ptr, long, long, long, long, long, ptr, ptr, ctypes.c_int, long, ptr, long, ptr,
+                                   ptr, long, ctypes.c_float, long, ptr, ptr]
+        self._windowed.restype = None
         self._argmax = lib.ifb_argmax_rows
         self._argmax.argtypes = [ptr, long, long, ptr]
         self._argmax.restype = None
@@ -291,10 +295,14 @@ class Kernels:
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        attn: AttnMetadata) -> torch.Tensor:
+                        attn: AttnMetadata, *, scale: float | None = None, window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attention.paged_attention`` for float32 or float16 caches: causal attention of ``q [T, Hq, D]``
         over the paged K/V (the step's own K/V already written); returns ``[T, Hq, D]``.
 
+        ``scale`` multiplies ``q . k`` (``D ** -0.5`` unless given); with ``window`` a query at
+        position p sees only p - window + 1 .. p (earlier blocks are not read); ``sinks [Hq]`` adds
+        one logit per head to every softmax whose probability is dropped (gpt-oss).
         Every query row is computed on its own, so a token's result does not depend on the
         step's other tokens, whether they are batch mates or the rest of its prefill chunk.
         """
@@ -306,11 +314,18 @@ class Kernels:
             raise ValueError("the native attention reads contiguous float32 or float16 KV caches")
         check_attention_metadata(attn, k_cache.shape[1])
         tables, starts, lens = attn.block_tables, attn.query_start_loc, attn.seq_lens
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window of {window} positions sees nothing")
+        if sinks is not None:
+            sinks = sinks.detach().float().contiguous()
+            if sinks.shape != (hq,):
+                raise ValueError(f"sinks of shape {tuple(sinks.shape)} for {hq} query heads")
         out = torch.empty(t, hq, d, dtype=torch.float32)
-        self._attention(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
-                        v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(),
-                        tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], d ** -0.5,
-                        out.data_ptr())
+        self._windowed(q.data_ptr(), q.stride(0), t, hq, k_cache.shape[2], d, k_cache.data_ptr(),
+                       v_cache.data_ptr(), KV_DTYPES[k_cache.dtype], attn.block_size, tables.data_ptr(),
+                       tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0],
+                       d ** -0.5 if scale is None else scale, window or 0,
+                       None if sinks is None else sinks.data_ptr(), out.data_ptr())
         return out
 
     def argmax(self, logits: torch.Tensor) -> list[int]:

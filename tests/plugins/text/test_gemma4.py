@@ -16,6 +16,7 @@ import torch
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.gemma4 import Gemma4ConfigError
 from ifb_plugins.text.families import build_family_model as build_gemma4
+from tests.native import kernels_or_none
 from tests.helpers import alone_and_staggered, plain_and_reused
 from tests.models.gemma4 import SLIDING_WINDOW, save_tiny_gemma4
 from tests.models.hybrid import hf_greedy, hf_reference
@@ -51,6 +52,7 @@ def reference(model_dir):
 def test_first_step_logits_match_transformers(model_dir, reference):
     model, _ = build_gemma4(model_dir)
     c = model.config
+    assert c.attention_backend == ("native" if kernels_or_none() is not None else "torch")
     assert [s.kv_source for s in c.layers] == [0, 1, 2, 3, 3, 2]  # the last two read layer 3's and 2's KV
     assert [s.head_dim for s in c.layers] == [16, 16, 32, 16, 16, 32]
     assert c.layers[5].mlp_width == 192 and c.layers[2].values_are_keys and len(PROMPTS[0]) > SLIDING_WINDOW

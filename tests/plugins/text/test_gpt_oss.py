@@ -19,6 +19,7 @@ from ifb.params import RequestSpec, SamplingParams
 from ifb_plugins.common.layers.attention import build_attn_metadata
 from ifb_plugins.common.models.gpt_oss import GptOssConfigError
 from ifb_plugins.text.families import build_family_model as build_gpt_oss
+from tests.native import kernels_or_none
 from tests.helpers import alone_and_staggered, plain_and_reused, submit_staggered
 from tests.models.gpt_oss import SLIDING_WINDOW, save_tiny_gpt_oss
 from tests.models.hybrid import hf_greedy, hf_reference
@@ -55,6 +56,7 @@ def reference(model_dir):
 def test_first_step_logits_match_transformers(model_dir, reference):
     model, _ = build_gpt_oss(model_dir)
     c = model.config
+    assert c.attention_backend == ("native" if kernels_or_none() is not None else "torch")
     assert c.layer_types[0] == "sliding_attention" and c.sliding_window == SLIDING_WINDOW < len(PROMPTS[0])
     assert dict(c.rope)["rope_type"] == "yarn"
     assert all(layer.self_attn.sinks.abs().max() > 0.1 for layer in model.model.layers)

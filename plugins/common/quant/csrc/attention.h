@@ -165,25 +165,26 @@ INLINE __m512 kv_load(const uint8_t *p, long i, int half) {
                 : _mm512_loadu_ps((const float *)p + i);
 }
 
-/* o_h = sum_j p_h[j] v_j over positions j < ctx for H heads at once (H and nv = d / 16 constants
+/* o_h = sum_j p_h[j - lo] v_j over positions lo <= j < ctx for H heads at once (H and nv = d / 16 constants
  * at each call site), v_j read through the block table once for all of them; each head's sums
  * take the same operations in the same order as axpy's. */
-INLINE void weighted_rows(float *o, const float *p, long p_stride, long ctx, const int64_t *table,
+INLINE void weighted_rows(float *o, const float *p, long p_stride, long lo, long ctx, const int64_t *table,
                           const uint8_t *v0, long bs, long row_bytes, int H, int nv, int half) {
     __m512 acc[16];
     for (int i = 0; i < H * nv; i++) acc[i] = _mm512_setzero_ps();
-    for (long j0 = 0; j0 < ctx; j0 += bs) {
-        const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes;
+    for (long j0 = lo - lo % bs; j0 < ctx; j0 += bs) { /* p[j - lo]: the weight of position j */
+        long first = j0 > lo ? j0 : lo;
+        const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes + (first - j0) * row_bytes;
         if (j0 + bs < ctx) { /* the next block's values */
             const uint8_t *next = v0 + table[j0 / bs + 1] * bs * row_bytes;
             for (long j = 0; j < bs && j0 + bs + j < ctx; j++)
                 prefetch_span(next + j * row_bytes, 16 * nv * (half ? 2 : 4));
         }
-        for (long j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
+        for (long j = first; j < ctx && j < j0 + bs; j++, v += row_bytes)
             for (int c = 0; c < nv; c++) {
                 __m512 x = kv_load(v, 16 * c, half);
                 for (int h = 0; h < H; h++)
-                    acc[h * nv + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * p_stride + j]), x, acc[h * nv + c]);
+                    acc[h * nv + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * p_stride + j - lo]), x, acc[h * nv + c]);
             }
     }
     for (int h = 0; h < H; h++)
@@ -191,21 +192,21 @@ INLINE void weighted_rows(float *o, const float *p, long p_stride, long ctx, con
 }
 
 /* weighted_rows for `heads` heads of d = 16 * nv, in runs of as many as keep 16 sums in registers. */
-INLINE void weighted_heads(float *o, const float *p, long p_stride, long heads, long ctx, const int64_t *table,
-                           const uint8_t *v0, long bs, long row_bytes, int nv, int half) {
+INLINE void weighted_heads(float *o, const float *p, long p_stride, long heads, long lo, long ctx,
+                           const int64_t *table, const uint8_t *v0, long bs, long row_bytes, int nv, int half) {
     long most = 16 / nv;
     for (long h = 0; h < heads;) {
         long n = heads - h < most ? heads - h : most;
         float *oh = o + h * 16 * nv;
         const float *ph = p + h * p_stride;
         if (n >= 4)
-            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 4, nv, half);
+            weighted_rows(oh, ph, p_stride, lo, ctx, table, v0, bs, row_bytes, 4, nv, half);
         else if (n == 3)
-            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 3, nv, half);
+            weighted_rows(oh, ph, p_stride, lo, ctx, table, v0, bs, row_bytes, 3, nv, half);
         else if (n == 2)
-            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 2, nv, half);
+            weighted_rows(oh, ph, p_stride, lo, ctx, table, v0, bs, row_bytes, 2, nv, half);
         else
-            weighted_rows(oh, ph, p_stride, ctx, table, v0, bs, row_bytes, 1, nv, half);
+            weighted_rows(oh, ph, p_stride, lo, ctx, table, v0, bs, row_bytes, 1, nv, half);
         h += n >= 4 ? 4 : n;
     }
 }
@@ -308,12 +309,14 @@ INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half,
     float *tmp = p + stride * group;
     for (long i = i0; i < i1; i++) {
         long t = i / a->hkv, g = i % a->hkv, b = a->token_seq[t];
-        long ctx = a->seq_lens[b] - (a->query_start_loc[b + 1] - t) + 1;
+        long end = a->seq_lens[b] - (a->query_start_loc[b + 1] - t) + 1; /* positions lo .. end - 1 */
+        long lo = a->window > 0 && end > a->window ? end - a->window : 0, ctx = end - lo;
         const int64_t *table = a->block_tables + b * a->width;
-        long j = 0; /* position j is slot j % bs of block table[j / bs] */
-        for (long j0 = 0; j0 < ctx; j0 += bs) {
-            const uint8_t *k = a->k_cache + table[j0 / bs] * bs * row_bytes + g * d * es;
-            for (; j < ctx && j < j0 + bs; j++, k += row_bytes) keys[j] = k;
+        long j = 0; /* key j is position lo + j: slot (lo + j) % bs of block table[(lo + j) / bs] */
+        for (long j0 = lo - lo % bs; j0 < end; j0 += bs) {
+            long first = j0 > lo ? j0 : lo;
+            const uint8_t *k = a->k_cache + table[j0 / bs] * bs * row_bytes + (first - j0) * row_bytes + g * d * es;
+            for (long pos = first; pos < end && pos < j0 + bs; pos++, j++, k += row_bytes) keys[j] = k;
         }
         for (; j < ctx + SCORE_LANES; j++) keys[j] = NULL;
         const float *q0 = a->q + t * a->q_stride + g * group * d;
@@ -329,28 +332,36 @@ INLINE void attention_items_of(const attention_t *a, long i0, long i1, int half,
             for (long h = 0; h < group; h++)
                 for (j = 0; j < ctx; j++)
                     p[h * stride + j] = dot(q0 + h * d, kv_row(keys[j], d, half, tmp), d) * a->scale;
-        for (long h = 0; h < group; h++) { /* the softmax weights */
-            float *ph = p + h * stride;
-            divide_by(ph, ctx, exp_shifted(ph, ctx, max_of(ph, ctx)));
+        for (long h = 0; h < group; h++) { /* the softmax weights (a sink: one more logit, its share dropped) */
+            float *ph = p + h * stride, top = max_of(ph, ctx);
+            if (a->sinks == NULL) {
+                divide_by(ph, ctx, exp_shifted(ph, ctx, top));
+                continue;
+            }
+            float sink = a->sinks[g * group + h];
+            top = sink > top ? sink : top;
+            float sum = exp_shifted(ph, ctx, top);
+            divide_by(ph, ctx, sum + expf(sink - top));
         }
         float *o = a->out + (t * a->hq + g * group) * d;
         const uint8_t *v0 = a->v_cache + g * d * es;
 #if IFB_ISA == 512
         if (d == 64 || d == 128) { /* the usual head sizes: the sums stay in registers */
             if (d == 64)
-                weighted_heads(o, p, stride, group, ctx, table, v0, bs, row_bytes, 4, half);
+                weighted_heads(o, p, stride, group, lo, end, table, v0, bs, row_bytes, 4, half);
             else
-                weighted_heads(o, p, stride, group, ctx, table, v0, bs, row_bytes, 8, half);
+                weighted_heads(o, p, stride, group, lo, end, table, v0, bs, row_bytes, 8, half);
             continue;
         }
 #endif
         for (long h = 0; h < group; h++) {
             float *oh = o + h * d;
             for (long c = 0; c < d; c++) oh[c] = 0.0f;
-            for (long j0 = 0; j0 < ctx; j0 += bs) {
-                const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes;
-                for (j = j0; j < ctx && j < j0 + bs; j++, v += row_bytes)
-                    axpy(oh, p[h * stride + j], kv_row(v, d, half, tmp), d);
+            for (long j0 = lo - lo % bs; j0 < end; j0 += bs) {
+                long first = j0 > lo ? j0 : lo;
+                const uint8_t *v = v0 + table[j0 / bs] * bs * row_bytes + (first - j0) * row_bytes;
+                for (j = first; j < end && j < j0 + bs; j++, v += row_bytes)
+                    axpy(oh, p[h * stride + j - lo], kv_row(v, d, half, tmp), d);
             }
         }
     }

@@ -15,6 +15,9 @@ typedef struct {
     long max_ctx;
     float scale;
     float *out;                     /* [t, hq, d] */
+    /* Left zero by the callers that do not set them (the fields after `out`): */
+    long window;                    /* > 0: a query at p sees positions p - window + 1 .. p only */
+    const float *sinks;             /* [hq]: one more logit per head whose probability is dropped, or NULL */
 } attention_t;
 
 typedef struct {

@@ -146,21 +146,39 @@ static long plan_attention(const int64_t *query_start_loc, const int64_t *seq_le
     return max_ctx;
 }
 
+/* ifb_paged_attention within a sliding `window` (> 0: a query at position p sees p - window + 1 .. p; the
+ * blocks of earlier positions are never read, so their block-table entries may be stale) and with
+ * learned `sinks` ([hq]: one more logit per head in the softmax, its probability dropped; or NULL). */
+void ifb_windowed_attention(const float *q, long q_stride, long t, long hq, long hkv, long d,
+                            const void *k_cache, const void *v_cache, int kv_half, long block_size,
+                            const int64_t *block_tables, long width, const int64_t *query_start_loc,
+                            const int64_t *seq_lens, long num_seqs, float scale, long window, const float *sinks,
+                            float *out) {
+    long *token_seq = (long *)malloc(sizeof(long) * (size_t)(t > 0 ? t : 1));
+    if (token_seq == NULL) return;
+    long work;
+    long max_ctx = plan_attention(query_start_loc, seq_lens, num_seqs, hq, d, token_seq, &work);
+    if (window > 0 && max_ctx > window) { /* the work is what the window leaves */
+        long most = 0;
+        for (long b = 0; b < num_seqs; b++) most += query_start_loc[b + 1] - query_start_loc[b];
+        long bound = most * window * hq * d * 2 / QK;
+        work = work < bound ? work : bound;
+    }
+    job_t job = {.kind = 1, .count = t * hkv};
+    job.at = (attention_t){q, q_stride, t, hq, hkv, d, k_cache, v_cache, kv_half, block_size, block_tables, width,
+                           query_start_loc, seq_lens, token_seq, max_ctx, scale, out, window, sinks};
+    run_job(&job, work);
+    free(token_seq);
+}
+
 /* out [t, hq, d] = causal attention of q (row stride q_stride) over the paged K/V cache, the step's
  * own K/V already written; scale multiplies q . k. Query heads h use K/V head h / (hq / hkv). */
 void ifb_paged_attention(const float *q, long q_stride, long t, long hq, long hkv, long d,
                          const void *k_cache, const void *v_cache, int kv_half, long block_size,
                          const int64_t *block_tables, long width, const int64_t *query_start_loc,
                          const int64_t *seq_lens, long num_seqs, float scale, float *out) {
-    long *token_seq = (long *)malloc(sizeof(long) * (size_t)(t > 0 ? t : 1));
-    if (token_seq == NULL) return;
-    long work;
-    long max_ctx = plan_attention(query_start_loc, seq_lens, num_seqs, hq, d, token_seq, &work);
-    job_t job = {.kind = 1, .count = t * hkv};
-    job.at = (attention_t){q, q_stride, t, hq, hkv, d, k_cache, v_cache, kv_half, block_size, block_tables, width,
-                           query_start_loc, seq_lens, token_seq, max_ctx, scale, out};
-    run_job(&job, work);
-    free(token_seq);
+    ifb_windowed_attention(q, q_stride, t, hq, hkv, d, k_cache, v_cache, kv_half, block_size, block_tables, width,
+                           query_start_loc, seq_lens, num_seqs, scale, 0, NULL, out);
 }
 
 #include "decoder.h"
