@@ -11,6 +11,9 @@ table:
 - each server's load: seconds from its start to its first answer, and its peak resident memory by
   then (``VmHWM``), against the file's size.
 
+Read bandwidth is measured before and after each model (the machine is shared); its fraction is of
+the better of the two.
+
 A model whose file both servers cannot hold at once (``--one-at-a-time``, or when twice the file
 does not fit in the memory available) runs with one server up at a time, still A-B-B-A: ifb runs
 every workload once, is stopped, llama.cpp runs each twice, then ifb is started again for its
@@ -34,6 +37,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import attrs
 
@@ -102,7 +106,9 @@ def available_bytes() -> int:
 
 
 def measure_model(model: base.Model, binary: Path, chosen: list[Workload], out_dir: Path,
-                  args: argparse.Namespace, together: bool) -> dict:
+                  args: argparse.Namespace, together: bool, save: Callable[[dict], None]) -> dict:
+    """Both servers on ``model``, A-B-B-A; ``save`` gets the result so far after every run (a long
+    run stopped early keeps what it measured)."""
     result: dict = {"model": model.key, "title": model.title, "quantization": "auto",
                     "bytes_per_token": model.num_bytes, "file_bytes": model.path.stat().st_size,
                     "servers_together": together, "requests": {w.name: w.num_requests for w in chosen},
@@ -130,6 +136,7 @@ def measure_model(model: base.Model, binary: Path, chosen: list[Workload], out_d
                     summary = report(run(target, sent, progress=False))["summary"]
                     summary["load_average_1m"] = os.getloadavg()[0]  # the machine is shared: said beside each run
                     result["workloads"][workload.name][name].append(summary)
+                    save(result)
                     print(f"   {model.key} {workload.name:14} {name:9} {summary['output_tokens_per_s']:8.1f} "
                           f"tok/s  errors {summary['num_errors']}  load {summary['load_average_1m']:.1f}", flush=True)
             for name, (proc, _) in procs.items():
@@ -157,8 +164,10 @@ def render(summary: dict) -> str:
     """``vs_llama_cpp``'s table, the rows run one server at a time marked, and the load table."""
     marked = {**summary, "models": [
         {**m, "title": m["title"] + ("" if m.get("servers_together", True) else "; servers one at a time")}
-        for m in summary["models"]]}
-    lines = [base.render(marked), "", "Loading (each server's start to its first answer; peak resident memory "
+        for m in completed(summary)["models"]]}
+    table = base.render(marked).replace(", measured at the start of each run that added models",
+                                        "; each model's fraction is of the better of its two")
+    lines = [table, "", "Loading (each server's start to its first answer; peak resident memory "
              "by then, `VmHWM`, against the file; both hold the KV room by then):", "",
              "| model | file (GiB) | KV room (GiB) | ifb: load s, peak RSS (GiB) | llama.cpp: load s, peak RSS (GiB) |",
              "|---|---:|---:|---:|---:|"]
@@ -174,8 +183,36 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def completed(summary: dict) -> dict:
+    """``summary`` with only the workloads both servers ran twice (a run stopped early keeps the rest)."""
+    return {**summary, "models": [{**m, "workloads": {w: runs for w, runs in m["workloads"].items()
+                                                       if all(len(runs[n]) == 2 for n in base.SERVERS)}}
+                                  for m in summary["models"]]}
+
+
 def render_prose(summary: dict) -> str:
-    return "Mixtures of experts: " + base.render_prose(summary).replace("Against llama.cpp", "against llama.cpp", 1)
+    """Every measured cell counted as a win, a tie (``TIE_RULE``) or a loss, and the batch-1
+    bandwidth fractions of the bytes a token streams."""
+    done = completed(summary)
+    wins, ties, losses = [], [], []
+    for m in done["models"]:
+        for w, runs in m["workloads"].items():
+            ratio = base._mean(runs["ifb"], "output_tokens_per_s") / base._mean(runs["llama.cpp"], "output_tokens_per_s")
+            label = f"{m['model'].partition(':')[0]} {w} {ratio:.2f}x"
+            (ties if base.is_tie(runs) else wins if ratio > 1 else losses).append((ratio, label))
+    machine = done["machine"]
+    text = (f"Mixtures of experts against llama.cpp's server ({machine['cpu']}, {machine['cores']} cores, "
+            f"{machine['date']}): of {len(wins) + len(ties) + len(losses)} cells ifb's output tokens/s is ahead in "
+            f"{len(wins)}" + (f" ({base._span([r for r, _ in wins])})" if wins else "")
+            + f", a tie in {len(ties)}" + (f" ({', '.join(label for _, label in ties)})" if ties else "")
+            + f", behind in {len(losses)}" + (f" ({', '.join(label for _, label in losses)})" if losses else "") + ".")
+    fractions = {name: [100 * base.bandwidth_fraction(done, m, name) for m in done["models"]
+                        if "batch1" in m["workloads"]] for name in base.SERVERS}
+    if fractions["ifb"]:
+        text += (f" At batch 1 ifb reads {base._span(fractions['ifb'], ' %', 0)} of the measured read bandwidth's "
+                 f"worth of the bytes a token streams (active experts only) a second, llama.cpp "
+                 f"{base._span(fractions['llama.cpp'], ' %', 0)}.")
+    return text + " " + base.TIE_RULE
 
 
 def published_text(summary: dict) -> str:
@@ -236,12 +273,18 @@ def main(argv: list[str] | None = None) -> int:
         together = not args.one_at_a_time and \
             2 * model.path.stat().st_size + TOGETHER_MARGIN_BYTES <= available_bytes()
         print(f"== {model.title} ({'both servers up' if together else 'one server at a time'})", flush=True)
-        # the machine's load drifts: each model's fraction is of the bandwidth measured just before it
-        bandwidth = base.read_bandwidth() if summary["models"] else summary["bandwidth_gb_s"]
-        measured = measure_model(model, binary, chosen, out_dir, args, together)
-        measured["bandwidth_gb_s"] = bandwidth
-        summary["models"] = [m for m in summary["models"] if m["model"] != measured["model"]] + [measured]
-        previous.write_text(json.dumps(summary, indent=1) + "\n")
+        # the machine is shared and its load drifts: each model's fraction is of the better of the
+        # bandwidths measured just before and just after it
+        before = base.read_bandwidth() if summary["models"] else summary["bandwidth_gb_s"]
+
+        def save(measured: dict, after: float | None = None) -> None:
+            measured["bandwidth_before_gb_s"], measured["bandwidth_after_gb_s"] = before, after
+            measured["bandwidth_gb_s"] = max(before, after or 0.0)
+            summary["models"] = [m for m in summary["models"] if m["model"] != measured["model"]] + [measured]
+            previous.write_text(json.dumps(summary, indent=1) + "\n")
+
+        measured = measure_model(model, binary, chosen, out_dir, args, together, save)
+        save(measured, base.read_bandwidth())
     print("\n" + render(summary))
     if args.publish:
         _publish(summary)
