@@ -113,9 +113,11 @@ def measure_model(model: base.Model, binary: Path, chosen: list[Workload], out_d
                     "bytes_per_token": model.num_bytes, "file_bytes": model.path.stat().st_size,
                     "servers_together": together, "requests": {w.name: w.num_requests for w in chosen},
                     "workloads": {w.name: {name: [] for name in base.SERVERS} for w in chosen},
-                    "load": {name: [] for name in base.SERVERS}, "memory_mib_loaded": {},
+                    "load": {name: [] for name in base.SERVERS}, "memory_mib_loaded": {}, "warmup": args.warmup,
                     "memory_mib_after": {}, "available_bytes_at_start": available_bytes()}
-    for index, phase in enumerate(phases(together)):
+    # no workloads: each server loads once, alone (the load table's numbers only)
+    spans = phases(together) if chosen else [(("ifb", 0),), (("llama.cpp", 0),)]
+    for index, phase in enumerate(spans):
         names = list(dict.fromkeys(name for name, _ in phase))
         procs = {}
         try:
@@ -127,7 +129,7 @@ def measure_model(model: base.Model, binary: Path, chosen: list[Workload], out_d
                 memory = base.rss_mib(procs[name][0].pid)
                 result["load"][name].append({"seconds": time.perf_counter() - started, **memory})
                 result["memory_mib_loaded"].setdefault(name, memory)
-            for _, url in procs.values():
+            for _, url in procs.values() if args.warmup else ():
                 run(Target(url), base.quick(base.WARMUP) if args.quick else base.WARMUP, progress=False)
             for workload in chosen:
                 for name, pair in phase:
@@ -144,6 +146,7 @@ def measure_model(model: base.Model, binary: Path, chosen: list[Workload], out_d
                 earlier = result["memory_mib_after"].get(name)
                 result["memory_mib_after"][name] = after if earlier is None or after["peak"] > earlier["peak"] \
                     else earlier
+            save(result)
         finally:
             for proc, _ in procs.values():
                 stop(proc)
@@ -162,9 +165,12 @@ def kv_bytes(model: dict, context: int) -> int:
 
 def render(summary: dict) -> str:
     """``vs_llama_cpp``'s table, the rows run one server at a time marked, and the load table."""
+    unknown = {"rss": float("nan"), "peak": float("nan")}  # a server a stopped run never reached
     marked = {**summary, "models": [
-        {**m, "title": m["title"] + ("" if m.get("servers_together", True) else "; servers one at a time")}
-        for m in completed(summary)["models"]]}
+        {**m, "title": m["title"] + ("" if m.get("servers_together", True) else "; servers one at a time")
+         + ("" if m.get("warmup", True) else ", no warm-up burst"),
+         **{key: {n: m[key].get(n, unknown) for n in base.SERVERS} for key in ("memory_mib_loaded", "memory_mib_after")}}
+        for m in completed(summary)["models"] if m["workloads"]]}
     table = base.render(marked).replace(", measured at the start of each run that added models",
                                         "; each model's fraction is of the better of its two")
     lines = [table, "", "Loading (each server's start to its first answer; peak resident memory "
@@ -175,6 +181,9 @@ def render(summary: dict) -> str:
         cells = []
         for name in base.SERVERS:
             loads = m["load"][name]
+            if not loads:  # a run stopped before this server started
+                cells.append("-")
+                continue
             seconds = " / ".join(f"{x['seconds']:.0f}" for x in loads)
             peak = max(x["peak"] for x in loads) / 1024
             cells.append(f"{seconds} s, {peak:.2f} ({100 * peak * 2**30 / m['file_bytes']:.0f} % of the file)")
@@ -194,9 +203,12 @@ def render_prose(summary: dict) -> str:
     """Every measured cell counted as a win, a tie (``TIE_RULE``) or a loss, and the batch-1
     bandwidth fractions of the bytes a token streams."""
     done = completed(summary)
-    wins, ties, losses = [], [], []
+    wins, ties, losses, failed = [], [], [], []
     for m in done["models"]:
         for w, runs in m["workloads"].items():
+            if any(r["num_errors"] for rs in runs.values() for r in rs):  # not a speed: said apart
+                failed.append(f"{m['model'].partition(':')[0]} {w}")
+                continue
             ratio = base._mean(runs["ifb"], "output_tokens_per_s") / base._mean(runs["llama.cpp"], "output_tokens_per_s")
             label = f"{m['model'].partition(':')[0]} {w} {ratio:.2f}x"
             (ties if base.is_tie(runs) else wins if ratio > 1 else losses).append((ratio, label))
@@ -205,7 +217,8 @@ def render_prose(summary: dict) -> str:
             f"{machine['date']}): of {len(wins) + len(ties) + len(losses)} cells ifb's output tokens/s is ahead in "
             f"{len(wins)}" + (f" ({base._span([r for r, _ in wins])})" if wins else "")
             + f", a tie in {len(ties)}" + (f" ({', '.join(label for _, label in ties)})" if ties else "")
-            + f", behind in {len(losses)}" + (f" ({', '.join(label for _, label in losses)})" if losses else "") + ".")
+            + f", behind in {len(losses)}" + (f" ({', '.join(label for _, label in losses)})" if losses else "")
+            + (f"; with errors, not counted: {', '.join(failed)}" if failed else "") + ".")
     fractions = {name: [100 * base.bandwidth_fraction(done, m, name) for m in done["models"]
                         if "batch1" in m["workloads"]] for name in base.SERVERS}
     if fractions["ifb"]:
@@ -231,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="One server up at a time for every model (else only where two do not fit).")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="Only this many of each model's layers (a file cut short where memory is short).")
+    parser.add_argument("--load-only", action="store_true",
+                        help="Only load each server once, alone: the load table's row, no workloads.")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="No warm-up burst (for batch1 alone: the first answer already warmed batch 1).")
     parser.add_argument("--quick", action="store_true", help="A few short requests: checks the setup.")
     parser.add_argument("--publish", action="store_true", help="Write vs_llama_cpp_moe.json and the README table.")
     parser.add_argument("--table-only", type=Path, metavar="SUMMARY", help="Only render (and --publish) a summary.")
@@ -269,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         model = moe_model(key, args.models_dir, vocab_dir, args.context, args.num_layers)
         scale = SCALES.get(key.partition(":")[0], 0.25)
         chosen = [w for w in base.workloads(args.rate, scale, real_weights=False) if w.name in wanted]
-        chosen = [base.quick(w) for w in chosen] if args.quick else chosen
-        together = not args.one_at_a_time and \
+        chosen = [] if args.load_only else [base.quick(w) for w in chosen] if args.quick else chosen
+        together = not args.one_at_a_time and not args.load_only and \
             2 * model.path.stat().st_size + TOGETHER_MARGIN_BYTES <= available_bytes()
         print(f"== {model.title} ({'both servers up' if together else 'one server at a time'})", flush=True)
         # the machine is shared and its load drifts: each model's fraction is of the better of the
