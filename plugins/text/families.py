@@ -89,7 +89,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu", dtype: to
         read = read_gpt_oss_gguf(path, _ACTIVATIONS[quantization] if on_blocks else None)
         modules = {} if read.experts is None else {"experts": read.experts}
         model = load_module(GptOssModel, read.config, read.state, path, device, dtype, **modules)
-        return model, TextTokenizer.from_gguf_metadata(read.metadata)
+        return model, TextTokenizer.from_gguf_metadata(read.metadata, extra_eos_ids=read.config.eos_token_ids)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
