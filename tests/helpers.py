@@ -96,17 +96,18 @@ def one_seat_step(prepared: Prepared, block_ids: tuple[int, ...], params: Sampli
     return ScheduledStep(step_id=0, seqs=(seq,)), [seat]
 
 
-def alone_and_staggered(model_dir, plugin: str, prompts, key, max_tokens: int = 32):
+def alone_and_staggered(model_dir, plugin: str, prompts, key, max_tokens: int = 32, **settings: Any):
     """Each prompt's greedy result (``key`` of it) served alone on the blocking path, and staggered under
-    in-flight batching at 4 seats with small prefill chunks; that requests joined mid-flight is asserted."""
+    in-flight batching at 4 seats with small prefill chunks; that requests joined mid-flight is asserted.
+    ``settings``: more deployment settings for both (``quantization``...)."""
     from ifb import LLM
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
     specs = [RequestSpec(prompt_token_ids=tuple(ids), params=params) for ids in prompts]
-    with LLM(model=str(model_dir), plugin=plugin) as llm:
+    with LLM(model=str(model_dir), plugin=plugin, **settings) as llm:
         alone = [key(llm.engine.submit(spec).result()) for spec in specs]
     with LLM(model=str(model_dir), plugin=plugin, enable_in_flight_batching=True, max_batch_size=4,
-             max_num_batched_tokens=8) as llm:
+             max_num_batched_tokens=8, **settings) as llm:
         batched = [key(r) for r in submit_staggered(llm.engine, specs, gap_steps=2)]
         assert llm.health()["scheduling"]["admitted_mid_flight"] > 0
     return alone, batched

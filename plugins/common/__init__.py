@@ -30,7 +30,7 @@ kind of thing:
   ``LayerStack``), ``deepstack`` (Qwen3-VL's DeepStack decoder), ``native_decoder`` (the whole
   stack as one native call per step), ``tensor_parallel`` (the Megatron-style shards of a model
   across ranks), and the family modules with layers of their own, ``gemma4`` (Gemma 4 text) and
-  ``gpt_oss``;
+  ``gpt_oss`` (its GGUF files: ``gpt_oss_gguf``);
 - ``layers``: ``attention`` (paged attention: ``AttnMetadata``, ``build_attn_metadata``,
   ``write_kv``), ``mrope`` (M-RoPE positions and rotary), ``moe`` (``SparseMoE``, ``route``,
   ``route_grouped_sigmoid``, ``dispatch_to_experts``, ``fuse_expert_state``), ``triton_kernels`` (the GPU hot ops) and ``triton_attention``
@@ -67,7 +67,7 @@ PUBLIC_MODULES = (
     "runtime.caps", "runtime.text", "runtime.lora", "runtime.syscache", "decoding.sampling", "decoding.filters",
     "decoding.guided", "chat.tokenizer", "chat.prompt", "models.config", "models.decoder",
     "models.deepstack", "models.native_decoder", "models.parts", "models.tensor_parallel", "models.gemma4",
-    "models.gpt_oss", "layers.moe", "layers.attention", "layers.mrope", "layers.triton_kernels",
+    "models.gpt_oss", "models.gpt_oss_gguf", "layers.moe", "layers.attention", "layers.mrope", "layers.triton_kernels",
     "loading.checkpoint", "loading.hf", "loading.gguf", "loading.memory", "loading.processor", "quant.linear",
     "quant.parts",
     "quant.blocks", "quant.int4_torch", "quant.kernels", "media.parts", "media.prompt", "media.mel",

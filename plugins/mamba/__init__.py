@@ -93,4 +93,4 @@ def ifb_deployment_kinds():
         load=load, settings=frozenset({"served_model_name", "max_model_len", "hybrid_checkpoint_interval",
                                        "allowed_local_media_path"}),
         description="Hybrid Mamba-2 or Gated DeltaNet / attention decoder from a Hugging Face Nemotron-H (and "
-                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE; text or image-text, images through Qwen3-VL's vision tower) safetensors directory, or a Nemotron-H / Granite hybrid GGUF file")]
+                    "Nemotron 3), Bamba, Granite 4.0 hybrid or Qwen3.5 (dense, MoE; text or image-text, images through Qwen3-VL's vision tower) safetensors directory, or a Nemotron-H / Nemotron 3 / Granite hybrid / Qwen3.5 GGUF file")]

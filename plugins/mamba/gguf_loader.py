@@ -1,4 +1,5 @@
-"""Load a Nemotron-H or Granite 4.0 hybrid GGUF file, in the layout llama.cpp's converter writes.
+"""Load a Nemotron-H or Granite 4.0 hybrid GGUF file, in the layout llama.cpp's converter writes
+(Qwen3.5's ``qwen35`` / ``qwen35moe``: ``gguf_qwen3_5``).
 
 llama.cpp names the architectures ``nemotron_h`` and ``granitehybrid``; its converter
 writes ``nemotron_h_moe`` for any Nemotron-H whose config has MoE fields (transformers 5
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 
 from ifb_plugins.common.loading.gguf import read_metadata
+from ifb_plugins.mamba.gguf_qwen3_5 import ARCHS as QWEN3_5_ARCHS
+from ifb_plugins.mamba.gguf_qwen3_5 import load_qwen3_5_gguf
 from ifb_plugins.mamba.config import (ATTENTION, FFN_GRANITE, FFN_NONE, MAMBA, MLP, MOE, ConfigError,
                                       HybridConfig)
 
@@ -103,7 +106,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise ConfigError(f"GGUF architecture {arch!r} is not a hybrid this plugin loads "
-                          f"(supported: {', '.join(ARCHS)})")
+                          f"(supported: {', '.join([*ARCHS, *QWEN3_5_ARCHS])})")
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -219,5 +222,7 @@ def load_hybrid_gguf(path: str | Path) -> tuple[HybridConfig, dict[str, torch.Te
     for t in reader.tensors:
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         raw[t.name] = torch.from_numpy(values.copy().reshape([int(d) for d in reversed(t.shape)]))
+    if meta.get("general.architecture") in QWEN3_5_ARCHS:
+        return (*load_qwen3_5_gguf(meta, raw), meta)
     config = config_from_metadata(meta, raw)
     return config, _our_tensors(raw, config), meta

@@ -22,9 +22,11 @@ from ifb.capabilities import DeployConfig, DeploymentCaps
 from ifb_plugins.common.chat.tokenizer import TextTokenizer
 from ifb_plugins.common.loading.hf import load_hf_state_dict
 from ifb_plugins.common.models.gemma4 import Gemma4Config, Gemma4Model
-from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel, read_gpt_oss_gguf
+from ifb_plugins.common.models.gpt_oss import GptOssConfig, GptOssModel
+from ifb_plugins.common.models.gpt_oss_gguf import read_gpt_oss_gguf
 from ifb_plugins.common.runtime.placement import device_of, weights_dtype
 from ifb_plugins.common.runtime.text import TextRuntime
+from ifb_plugins.text.build import _ACTIVATIONS, quantization_mode
 
 log = logging.getLogger("ifb.text")
 
@@ -72,29 +74,35 @@ def attention_backend(device, dtype: torch.dtype) -> str:
 
 
 def load_module(model_cls, config, state: dict[str, torch.Tensor], path: Path, device,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``model_cls(config)`` with ``state`` loaded strictly (a tied head's copy dropped), in ``dtype`` on
-    ``device``."""
+                dtype: torch.dtype = torch.float32, **modules: object) -> nn.Module:
+    """``model_cls(config, **modules)`` with ``state`` loaded strictly (a tied head's copy dropped), in
+    ``dtype`` on ``device``; ``modules`` are parts built already (a GGUF's experts on blocks), whose own
+    tensors are theirs."""
     if getattr(config, "tie_word_embeddings", True):
         state.pop("lm_head.weight", None)
     if "attention_backend" in attrs.fields_dict(type(config)):
         config = attrs.evolve(config, attention_backend=attention_backend(device, dtype))
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config, **modules)
+    built = {name: t for name, t in model.state_dict().items() if not t.is_meta}  # the parts' own tensors
     try:
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict({**built, **state}, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"{path}: the weights do not match the config: {exc}") from None
     return model.to(device=device, dtype=dtype).eval()
 
 
-def build_family_model(path: Path, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> tuple[nn.Module, TextTokenizer]:
+def build_family_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       quantization: str = "auto") -> tuple[nn.Module, TextTokenizer]:
     """The model (in ``dtype``, weights loaded strictly) and tokenizer of a Gemma 4 text or gpt-oss directory,
-    or of a gpt-oss GGUF file."""
+    or of a gpt-oss GGUF file: its block-typed experts on the native kernels with the activations of
+    ``quantization`` (``build.QUANTIZATION_MODES``) on the CPU in float32, else dequantized."""
     if is_gpt_oss_gguf(path):
-        config, state, meta = read_gpt_oss_gguf(path)
-        return load_module(GptOssModel, config, state, path, device, dtype), TextTokenizer.from_gguf_metadata(meta)
+        on_blocks = torch.device(device).type == "cpu" and dtype == torch.float32 and quantization != "none"
+        read = read_gpt_oss_gguf(path, _ACTIVATIONS[quantization] if on_blocks else None)
+        modules = {} if read.experts is None else {"experts": read.experts}
+        model = load_module(GptOssModel, read.config, read.state, path, device, dtype, **modules)
+        return model, TextTokenizer.from_gguf_metadata(read.metadata, extra_eos_ids=read.config.eos_token_ids)
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type")
     if model_type in _REFUSED:
@@ -112,7 +120,7 @@ def build_family_model(path: Path, device: torch.device | str = "cpu",
 def load_family_runtime(config: DeployConfig, caps: DeploymentCaps) -> TextRuntime:
     path = Path(config.model)
     dtype = weights_dtype(config)
-    model, tokenizer = build_family_model(path, device_of(config), dtype)
+    model, tokenizer = build_family_model(path, device_of(config), dtype, quantization_mode(config))
     name = config.options.get("served_model_name") or (path.stem if path.is_file() else path.name)
     log.info("loaded %s (%s, %d layers, hidden %d; %s)", name, type(model).__name__, model.config.num_layers,
              model.config.hidden_size, str(dtype).removeprefix("torch."))

@@ -15,7 +15,9 @@ import attrs
 import torch
 
 from tests.models import llama_cpp
-from tests.models.hybrid import save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h
+from tests.models.hybrid import (save_tiny_granite_hybrid, save_tiny_nemotron_3, save_tiny_nemotron_h,
+                                 save_tiny_qwen3_5)
+from tests.models.gemma4 import save_gemma_style_tokenizer, save_tiny_gemma4
 from tests.models.gpt_oss import save_tiny_gpt_oss
 from tests.models.moe import randomize, save_tiny_moe
 from tests.models.text import save_tiny_tokenizer
@@ -62,12 +64,28 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
 
 
 #: families converted in the same run whose GGUF tests live with the family's own tests
-#: (tests/plugins/mamba/test_nemotron_3.py, tests/plugins/text/test_gpt_oss.py)
+#: (tests/plugins/mamba/test_nemotron_3.py, test_qwen3_5_gguf.py, tests/plugins/text/test_gpt_oss*.py,
+#: test_gemma4_gguf.py)
 FAMILIES_TESTED_APART: dict[str, Callable[[Path], Path]] = {
     # Nemotron 3: Nemotron-H with MoE layers (llama.cpp's nemotron_h_moe)
     "nemotron_3": lambda d: save_tiny_nemotron_3(d, seed=11),
     "gpt_oss": lambda d: save_tiny_gpt_oss(d, seed=12),
+    "qwen3_5": lambda d: save_tiny_qwen3_5(d, seed=14),
+    "qwen3_5_moe": lambda d: save_tiny_qwen3_5(d, seed=15, moe=True),
+    # Gemma 4 text, with a tokenizer of Gemma's kind (the only kind its converter reads)
+    "gemma4": lambda d: _with_gemma_tokenizer(save_tiny_gemma4(d, seed=16)),
 }
+
+def _with_gemma_tokenizer(directory: Path) -> Path:
+    save_gemma_style_tokenizer(directory)
+    return directory
+
+
+#: the converter's own options a family needs. Qwen3.5: ``--no-mtp``. The released checkpoints carry a
+#: multi-token-prediction block (``mtp_num_hidden_layers``, ``mtp.*`` tensors) which transformers'
+#: ``Qwen3_5ForCausalLM`` does not build, so its ``save_pretrained`` writes neither; without the flag
+#: the converter, finding no ``mtp.*`` tensor to count, stops on ``assert self.opt_num_mtp_layers != 0``.
+CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 
 
 @attrs.frozen
@@ -85,5 +103,6 @@ def convert_families(root: Path) -> dict[str, Converted]:
     for family, save in {**FAMILIES, **FAMILIES_TESTED_APART}.items():
         hf_dir = save(root / family)
         out[family] = Converted(hf_dir, {t: root / f"{family}-{t}.gguf" for t in llama_cpp.OUTTYPES})
-    llama_cpp.convert([(c.hf_dir, path, t) for c in out.values() for t, path in c.ggufs.items()])
+    llama_cpp.convert([(c.hf_dir, path, t, CONVERTER_FLAGS.get(family, ()))
+                       for family, c in out.items() for t, path in c.ggufs.items()])
     return out

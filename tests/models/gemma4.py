@@ -33,6 +33,35 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 
 
+#: the tiny SentencePiece-style tokenizer's special tokens (Gemma's ids 0..3)
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def save_gemma_style_tokenizer(directory: str | Path) -> None:
+    """Replace a saved tiny model's tokenizer by one of Gemma's kind, saved by ``PreTrainedTokenizerFast``:
+    a BPE over ``▁``-for-space text with byte fallback (every byte a ``<0xNN>`` token) and a
+    Sequence decoder, ``VOCAB_SIZE`` tokens in all. llama.cpp's Gemma 4 converter reads the
+    vocabulary with ``gguf.LlamaHfVocab``, which takes only that kind: given the byte-level BPE of
+    ``train_tiny_tokenizer`` it stops with ``FileNotFoundError: Cannot find Llama BPE tokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.models.text import _CORPUS
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, show_progress=False,
+                                  special_tokens=[*GEMMA_SPECIALS, *(f"<0x{i:02X}>" for i in range(256))])
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    directory = Path(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).unlink(missing_ok=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>", model_max_length=2048)
+    fast.save_pretrained(str(directory))
+
+
 def save_tiny_gemma4(directory: str | Path, seed: int = 0, **overrides) -> Path:
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 

@@ -135,3 +135,24 @@ def fit_head_to_answer(directory: str | Path, pairs: list[tuple[str, str]], step
     with torch.no_grad():
         model.lm_head.weight.copy_(head)
     model.save_pretrained(directory)
+
+
+#: the expert matrices of a gpt-oss GGUF, which the released files keep in MXFP4
+EXPERT_MATRICES = r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight"
+
+
+def mxfp4_experts(src: str | Path, dst: str | Path) -> Path:
+    """A float32 gpt-oss GGUF from llama.cpp's converter (``src``) with its expert matrices rewritten
+    block by block in MXFP4 by ``gguf.quants.quantize`` (llama.cpp's own Python quantizer), every other
+    tensor and metadata key as the converter wrote them.
+
+    The converter writes MXFP4 only from a checkpoint already quantized so, and transformers'
+    ``Mxfp4HfQuantizer`` quantizes only with the ``kernels`` package, which fetches its Triton kernels
+    from the Hugging Face Hub at run time: the tests quantize the converter's float32 file instead."""
+    import gguf
+
+    from tests.models.kquant_moe import requantize
+
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    return requantize(Path(src), Path(dst), {EXPERT_MATRICES: mxfp4},
+                      lambda rows, qtype: gguf.quants.quantize(rows, qtype))

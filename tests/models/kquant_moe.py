@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import gguf
 import numpy as np
@@ -42,9 +42,10 @@ def save_kquant_moe(directory: Path, seed: int = 6, **sizes: object) -> Path:
 
 
 def requantize(src: Path, dst: Path, types: Mapping[str, Q],
-               quantize: Callable[[np.ndarray, Q], np.ndarray]) -> Path:
+               quantize: Callable[[np.ndarray, Q], np.ndarray], extra_fields: Mapping[str, Any] = {}) -> Path:
     """``src`` (a float32 GGUF) rewritten into ``dst`` with each matrix whose name matches a pattern
-    of ``types`` in that type, row by row (stacked experts too), by ``quantize``."""
+    of ``types`` in that type, row by row (stacked experts too), by ``quantize``; ``extra_fields``
+    are metadata added (a test's variant of a file)."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -53,6 +54,8 @@ def requantize(src: Path, dst: Path, types: Mapping[str, Q],
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for name, value in extra_fields.items():
+        writer.add_key_value(name, value, gguf.GGUFValueType.get_type(value))
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
         qtype = next((t for pattern, t in types.items() if re.fullmatch(pattern, tensor.name)), None)

@@ -46,8 +46,8 @@ root, pre, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sys.path[:0] = [root, root + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-for src, out, outtype in jobs:
-    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype]
+for src, out, outtype, flags in jobs:
+    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", out, "--outtype", outtype, *flags]
     try:
         runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
     except SystemExit as exc:
@@ -115,12 +115,15 @@ def chat_template(name: str) -> str:
     return (target / "models" / "templates" / f"{name}.jinja").read_text()
 
 
-def convert(jobs: Sequence[tuple[Path, Path, str]], pre_tokenizer: str = "smollm") -> None:
-    """Convert each ``(checkpoint directory, output file, outtype)`` with llama.cpp's converter."""
-    for _, _, outtype in jobs:
+def convert(jobs: Sequence[tuple[Path, Path, str] | tuple[Path, Path, str, Sequence[str]]],
+            pre_tokenizer: str = "smollm") -> None:
+    """Convert each ``(checkpoint directory, output file, outtype[, converter flags])`` with llama.cpp's
+    converter (flags are its own command-line options, e.g. ``--no-mtp``)."""
+    for _, _, outtype, *_ in jobs:
         if outtype not in OUTTYPES:
             raise ValueError(f"the converter writes {OUTTYPES}, not {outtype!r}")
-    spec = json.dumps([[str(src), str(out), outtype] for src, out, outtype in jobs])
+    spec = json.dumps([[str(src), str(out), outtype, list(flags[0]) if flags else []]
+                       for src, out, outtype, *flags in jobs])
     run = subprocess.run([sys.executable, "-c", _RUNNER, str(converter_dir()), pre_tokenizer, spec],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "NO_LOCAL_GGUF": "1"})
     if run.returncode != 0:

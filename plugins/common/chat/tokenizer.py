@@ -134,8 +134,9 @@ class TextTokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> TextTokenizer:
-        """Rebuild a byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata."""
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], extra_eos_ids: Sequence[int] = ()) -> TextTokenizer:
+        """Rebuild a byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata; ``extra_eos_ids`` also end
+        a sequence."""
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
@@ -177,6 +178,7 @@ class TextTokenizer:
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
             )
         eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        eos_ids.extend(extra_eos_ids)  # the model's own ends of a turn (gpt-oss: the harmony markers)
         return cls(
             tok,
             chat_template=meta.get("tokenizer.chat_template"),

@@ -37,6 +37,14 @@ from ifb_plugins.common.loading.memory import MappedFile, check_fits
 
 #: ``general.architecture`` values this loader understands.
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+#: architectures of today's families that this loader does not read, and what does
+_READ_ELSEWHERE = {
+    "gemma4": "Gemma 4 GGUF files are not read yet (neither their tensors nor their SentencePiece-style "
+              "tokenizer.ggml.model 'gemma4'); serve the Hugging Face directory",
+    "qwen35": "serve Qwen3.5 files with the mamba plugin", "qwen35moe": "serve Qwen3.5 files with the mamba plugin",
+    "nemotron_h": "serve it with the mamba plugin", "nemotron_h_moe": "serve it with the mamba plugin",
+    "granitehybrid": "serve it with the mamba plugin",
+}
 #: our arch name (config.json's ``model_type``) per GGUF architecture with experts
 _MOE_ARCH = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 #: whether llama.cpp renormalizes the top-k weights of each arch when the file does not say
@@ -121,7 +129,9 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> TextModelConfig:
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+        where = f": {_READ_ELSEWHERE[arch]}" if arch in _READ_ELSEWHERE else ""
+        raise ValueError(f"GGUF general.architecture {arch!r} is not supported here (supported: "
+                         f"{', '.join(GGUF_ARCHS)}){where}")
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)

@@ -11,8 +11,9 @@
   biases, and a clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
   ``g = min(gate, limit)``.
 
-The weights run in float32 (the MXFP4 experts of the released checkpoints
-are not read). Sliding layers attend within their window; their KV blocks
+The weights run in float32; a GGUF file's experts may run on their blocks
+(``gpt_oss_gguf``: MXFP4 and Q8_0 on the native kernels). The MXFP4
+``quantization_config`` of a Hugging Face directory is not read. Sliding layers attend within their window; their KV blocks
 past it are not freed (one block table per request for all layers).
 
 Shape letters: T tokens, H hidden, E experts, K experts per token, I expert width.
@@ -21,7 +22,7 @@ Shape letters: T tokens, H hidden, E experts, K experts per token, I expert widt
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
@@ -244,11 +245,12 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: GptOssConfig) -> None:
+    def __init__(self, config: GptOssConfig, experts: nn.Module | None = None) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = Router(config)
-        self.experts = Experts(config)
+        #: float32 ``Experts``, or experts on a GGUF's blocks (``gpt_oss_gguf.BlockExperts``)
+        self.experts = Experts(config) if experts is None else experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
@@ -257,10 +259,10 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: GptOssConfig, index: int) -> None:
+    def __init__(self, config: GptOssConfig, index: int, experts: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, index)
-        self.mlp = MoE(config)
+        self.mlp = MoE(config, experts)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -271,10 +273,11 @@ class DecoderLayer(nn.Module):
 
 
 class GptOssDecoder(nn.Module):
-    def __init__(self, config: GptOssConfig) -> None:
+    def __init__(self, config: GptOssConfig, experts: Sequence[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, None if experts is None else experts[i])
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -284,10 +287,11 @@ class GptOssModel(nn.Module):
     #: the attention windows the sliding layers itself: the runtime need not cap the context at the window
     applies_sliding_window = True
 
-    def __init__(self, config: GptOssConfig) -> None:
+    def __init__(self, config: GptOssConfig, experts: Sequence[nn.Module] | None = None) -> None:
+        """``experts``: each layer's routed experts (float32 ``Experts`` when None)."""
         super().__init__()
         self.config = config
-        self.model = GptOssDecoder(config)
+        self.model = GptOssDecoder(config, experts)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -312,83 +316,3 @@ class GptOssModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``[..., I]`` gate and up columns -> ``[..., 2I]`` alternating (transformers' fused layout)."""
-    return torch.stack((gate, up), dim=-1).flatten(-2)
-
-
-def read_gpt_oss_gguf(path) -> tuple[GptOssConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """``(config, float32 state dict under GptOssModel's names, metadata)`` of a ``gpt-oss`` GGUF file as
-    llama.cpp's converter writes it (experts split into ``ffn_{gate,up,down}_exps`` with biases; the
-    layers alternate sliding and full attention, sliding first, as llama.cpp runs them)."""
-    import gguf
-    import numpy as np
-
-    from ifb_plugins.common.loading.gguf import read_metadata
-
-    reader = gguf.GGUFReader(str(path))
-    meta = read_metadata(reader)
-    if meta.get("general.architecture") != "gpt-oss":
-        raise GptOssConfigError(f"GGUF general.architecture {meta.get('general.architecture')!r} is not gpt-oss")
-    raw = {}
-    for t in reader.tensors:
-        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                                 gguf.GGMLQuantizationType.BF16):
-            # block types (Q8_0, the released MXFP4 experts) are not proven against the directory yet
-            raise GptOssConfigError(f"GGUF tensor {t.name} is {t.tensor_type.name}: only F32, F16 and BF16 "
-                                    "gpt-oss files are read")
-        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        raw[t.name] = torch.from_numpy(values.copy().reshape([int(d) for d in reversed(t.shape)]))
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"gpt-oss.{name}", default)
-        if value is None:
-            raise GptOssConfigError(f"GGUF metadata gpt-oss.{name} is missing")
-        return value
-
-    num_layers = int(key("block_count"))
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if meta.get("gpt-oss.rope.scaling.type") == "yarn":
-        # the converter does not write YaRN's truncate flag; gpt-oss's own configs set it false
-        rope = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
-                "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
-                "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    config = GptOssConfig(
-        vocab_size=int(raw["token_embd.weight"].shape[0]), hidden_size=int(key("embedding_length")),
-        num_heads=int(key("attention.head_count")), num_kv_heads=int(key("attention.head_count_kv")),
-        head_dim=int(key("attention.key_length")),
-        layer_types=tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers)),
-        sliding_window=int(key("attention.sliding_window")), num_experts=int(key("expert_count")),
-        num_experts_per_tok=int(key("expert_used_count")), intermediate_size=int(key("expert_feed_forward_length")),
-        swiglu_alpha=1.702, swiglu_limit=7.0,  # fixed in llama.cpp's gpt-oss graph, not in the file
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base")),
-        rope=tuple(sorted(rope.items())), max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in raw, eos_token_ids=() if eos is None else (int(eos),))
-    names = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
-             "ffn_gate_inp.bias": "mlp.router.bias"}
-    for proj, ours in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
-        names |= {f"{proj}.weight": f"self_attn.{ours}.weight", f"{proj}.bias": f"self_attn.{ours}.bias"}
-    state = {"model.embed_tokens.weight": raw.pop("token_embd.weight"),
-             "model.norm.weight": raw.pop("output_norm.weight")}
-    if "output.weight" in raw:
-        state["lm_head.weight"] = raw.pop("output.weight")
-    for i in range(num_layers):
-        p, ours = f"blk.{i}.", f"model.layers.{i}."
-        experts = {n: raw.pop(p + n) for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
-                                               "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")}
-        state[ours + "mlp.experts.gate_up_proj"] = _interleave(experts["ffn_gate_exps.weight"].transpose(1, 2),
-                                                               experts["ffn_up_exps.weight"].transpose(1, 2))
-        state[ours + "mlp.experts.gate_up_proj_bias"] = _interleave(experts["ffn_gate_exps.bias"],
-                                                                    experts["ffn_up_exps.bias"])
-        state[ours + "mlp.experts.down_proj"] = experts["ffn_down_exps.weight"].transpose(1, 2)
-        state[ours + "mlp.experts.down_proj_bias"] = experts["ffn_down_exps.bias"]
-        for name, target in names.items():
-            state[ours + target] = raw.pop(p + name)
-    if raw:
-        raise GptOssConfigError(f"unexpected tensor {sorted(raw)[0]!r} in the GGUF file")
-    return config, {k: v.contiguous() for k, v in state.items()}, meta
