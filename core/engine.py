@@ -359,6 +359,9 @@ class RequestEngine:
         }
         if self.scheduler.speculation is not None:
             out["speculative_decoding"] = self.speculation_health()
+        if self.blocks.window_groups:  # the KV cache groups: the full-attention pool and each window's
+            out["kv_cache"] = {**self.blocks.usage(), "window_groups": [
+                {"window": g.window, **g.blocks.usage()} for g in self.blocks.window_groups]}
         if self.prefix is not None:
             c = self.counters
             out["prefix_cache"] = {"queries": c.prefix_cache_queries, "hits": c.prefix_cache_hits,

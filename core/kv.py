@@ -56,6 +56,8 @@ class BlockManager:
         self.window_groups = window_groups
         self._free: collections.deque[int] = collections.deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        #: the most blocks held at once (referenced; a cache's evictable ones count as free)
+        self.max_num_in_use = 0
 
     @property
     def num_free(self) -> int:
@@ -89,7 +91,17 @@ class BlockManager:
             self.ref_counts[block] = 1
             out.append(block)
         out.sort()
+        self.max_num_in_use = max(self.max_num_in_use, self.num_in_use)
         return out
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def usage(self) -> dict[str, int]:
+        """The pool's counters: its size, the blocks held now and the most held at once."""
+        return {"num_blocks": self.num_blocks, "blocks_in_use": self.num_in_use,
+                "max_blocks_in_use": self.max_num_in_use}
 
     def incref(self, block_ids: list[int]) -> None:
         for block in block_ids:
