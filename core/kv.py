@@ -20,9 +20,13 @@ lies wholly before every future query's window, so a sequence holds at most
 from __future__ import annotations
 
 import collections
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+if TYPE_CHECKING:
+    from ifb.request import Request
+    from ifb.runtime import ScheduledStep
 
 
 class BlockCache(Protocol):
@@ -36,6 +40,25 @@ class BlockCache(Protocol):
 
     def evict(self) -> int:
         """Forget the least recently used kept block and hand it back for reuse."""
+
+
+class PrefixMatcher(Protocol):
+    """Finds published KV blocks a new request can lease (the context cache plugin)."""
+
+    def match(self, request: Request) -> tuple[list[int], int]:
+        """Return (block_ids already leased for the request, number of tokens they hold).
+
+        Where the pool has sliding-window groups (``BlockManager.window_groups``) a matcher that knows
+        them also leases, into each of ``request.window_tables``, the blocks still resident there that the
+        hit's next query can see, so the hit is one that every group holds; the scheduler drops a hit
+        whose window tables were not filled.
+        """
+
+    def commit(self, step: ScheduledStep, requests: dict[str, Request]) -> None:
+        """The step finished: publish the full blocks it computed."""
+
+    def forget(self, request: Request) -> None:
+        """The request left its seat; drop any per-request bookkeeping."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -126,6 +149,38 @@ class BlockManager:
 
     def can_allocate_in_every_group(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_in_every_group
+
+    def can_admit(self, num_blocks: int, num_first_tokens: int, reserve: int, whole: bool = False) -> bool:
+        """Whether a request whose prefill needs ``num_blocks`` here fits, ``reserve`` blocks left free in
+        every group; a window group needs only the window of its first ``num_first_tokens`` (``whole``: all)."""
+        return self.can_allocate(num_blocks + reserve) and all(
+            g.blocks.can_allocate((num_blocks if whole else min(num_blocks, g.max_blocks_per_seq(num_first_tokens)))
+                                  + reserve) for g in self.window_groups)
+
+    def grow_all(self, block_ids: list[int], tables: list[WindowTable], num_blocks: int) -> None:
+        """Append ``num_blocks`` to a request's table in every group (the same entries in each)."""
+        block_ids += self.allocate(num_blocks)
+        for group, table in zip(self.window_groups, tables):
+            group.grow(table, num_blocks)
+
+    def free_all(self, block_ids: list[int], tables: list[WindowTable]) -> None:
+        """Free a request's blocks in every group."""
+        self.free(block_ids)
+        for group, table in zip(self.window_groups, tables):
+            group.release(table)
+
+    def slide(self, tables: list[WindowTable], next_position: int) -> None:
+        """Free what no query from ``next_position`` on sees in each of a request's window tables."""
+        for group, table in zip(self.window_groups, tables):
+            group.slide(table, next_position)
+
+    def drop_window_tails(self, tables: list[WindowTable], num_entries: int) -> None:
+        for group, table in zip(self.window_groups, tables):
+            group.drop_tail(table, num_entries)
+
+    def window_changes(self, tables: list[WindowTable]) -> list[tuple[int, tuple[int, ...]]]:
+        """Per window table, its freed entries and the blocks the runtime has not been sent (now marked sent)."""
+        return [(table.num_freed, group.unsent(table)) for group, table in zip(self.window_groups, tables)]
 
     def check_no_leaks(self) -> None:
         """Every count is zero and every block is free or kept by the cache (in every group)."""

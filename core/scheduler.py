@@ -36,36 +36,17 @@ import threading
 import time
 
 import attrs
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from ifb import fork
 from ifb.counters import SchedulingCounters
-from ifb.kv import BlockManager, WindowTable
+from ifb.kv import BlockManager, PrefixMatcher, WindowTable  # noqa: F401 - PrefixMatcher is named here too
 from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
 from ifb.request import Request, RequestGroup, Status
 from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput, Tokenizer, WindowBlocks
 from ifb.speculative import DraftStats, SpeculationCaps
 
 log = logging.getLogger("ifb.scheduler")
-
-
-class PrefixMatcher(Protocol):
-    """Finds published KV blocks a new request can lease (the context cache plugin)."""
-
-    def match(self, request: Request) -> tuple[list[int], int]:
-        """Return (block_ids already leased for the request, number of tokens they hold).
-
-        Where the pool has sliding-window groups (``BlockManager.window_groups``) a matcher that knows
-        them also leases, into each of ``request.window_tables``, the blocks still resident there that the
-        hit's next query can see, so the hit is one that every group holds; the scheduler drops a hit
-        whose window tables were not filled.
-        """
-
-    def commit(self, step: ScheduledStep, requests: dict[str, Request]) -> None:
-        """The step finished: publish the full blocks it computed."""
-
-    def forget(self, request: Request) -> None:
-        """The request left its seat; drop any per-request bookkeeping."""
 
 
 def default_watermark(num_blocks: int) -> int:
@@ -192,15 +173,10 @@ class Scheduler:
         if self.batch_wide_length and head.max_tokens != self._batch_length:
             return "stalls_incompatible"  # generation length is a batch-wide setting here
         reserve = 0 if self.batch_wide_length else self.watermark + len(self.running)
-        need = self._admission_blocks(head)
-        if not self.blocks.can_allocate(need + reserve):
-            return "stalls_no_capacity"
         # a window group needs only the window of the prefill's first chunk (its blocks slide from there)
-        chunk = min(head.num_tokens, self.token_budget)
-        for window in self.blocks.window_groups:
-            window_need = need if self.batch_wide_length else min(need, window.max_blocks_per_seq(chunk))
-            if not window.blocks.can_allocate(window_need + reserve):
-                return "stalls_no_capacity"
+        if not self.blocks.can_admit(self._admission_blocks(head), min(head.num_tokens, self.token_budget), reserve,
+                                     whole=self.batch_wide_length):
+            return "stalls_no_capacity"
         return None
 
     def _admit_at_boundary(self) -> str | None:
@@ -240,16 +216,11 @@ class Scheduler:
         # a follower's blocks come from its leader when it forks
         leased, num_cached = self.prefix.match(head) if self.prefix and not is_follower else ([], 0)
         if num_cached and any(t.num_entries != len(leased) for t in head.window_tables):
-            self.blocks.free(leased)  # a hit the window groups do not hold: computed again
-            for window, table in self._windows(head):
-                window.release(table)
+            self.blocks.free_all(leased, head.window_tables)  # a hit the window groups do not hold: computed again
             leased, num_cached = [], 0
         head.block_ids = leased
         if self.batch_wide_length:
-            extra = max(0, self._admission_blocks(head) - len(leased))
-            head.block_ids += self.blocks.allocate(extra)
-            for window, table in self._windows(head):
-                window.grow(table, extra)
+            self.blocks.grow_all(head.block_ids, head.window_tables, max(0, self._admission_blocks(head) - len(leased)))
         head.num_computed_tokens = num_cached
         self._free_seats.sort()
         head.seat = self._free_seats.pop(0)
@@ -364,8 +335,7 @@ class Scheduler:
         for r, num_new in sorted(plan, key=lambda share: order[id(share[0])]):
             if r.status is not Status.RUNNING:
                 continue  # preempted for an older resident in this same step
-            for window, table in self._windows(r):
-                window.slide(table, r.num_computed_tokens)  # what no later query sees goes back first
+            self.blocks.slide(r.window_tables, r.num_computed_tokens)  # what no later query sees goes back first
             need = self._blocks_to_grow(r, num_new)
             while need > self.blocks.num_free_in_every_group:
                 fit = ((len(r.block_ids) + self.blocks.num_free_in_every_group) * self.blocks.block_size
@@ -383,18 +353,12 @@ class Scheduler:
                 else:
                     self.preempt(r)
                 continue
-            r.block_ids += self.blocks.allocate(need)
-            for window, table in self._windows(r):
-                window.grow(table, need)  # the same entries in every group's table
+            self.blocks.grow_all(r.block_ids, r.window_tables, need)
             granted[id(r)] = num_new
         return [(r, granted[id(r)]) for r, _ in plan if id(r) in granted and r.status is Status.RUNNING]
 
     def _blocks_to_grow(self, r: Request, num_new: int) -> int:
         return max(0, self.blocks.blocks_for(r.num_computed_tokens + num_new) - len(r.block_ids))
-
-    def _windows(self, r: Request):
-        """Each sliding-window KV group with ``r``'s table in it."""
-        return zip(self.blocks.window_groups, r.window_tables)
 
     def preempt(self, r: Request) -> None:
         """Send a resident back to the head of the queue; it is recomputed when it is seated again.
@@ -418,10 +382,8 @@ class Scheduler:
         self.running.remove(r)
         fork.leave(r)
         self._new.pop(r.request_id, None)
-        self.blocks.free(r.block_ids)
+        self.blocks.free_all(r.block_ids, r.window_tables)
         r.block_ids = []
-        for window, table in self._windows(r):
-            window.release(table)
         self._free_seats.append(r.seat)
         if self.prefix is not None:
             self.prefix.forget(r)
@@ -446,7 +408,7 @@ class Scheduler:
         new_block_ids = tuple(r.block_ids[r.num_sent_blocks:])
         r.num_sent_blocks = len(r.block_ids)
         num_dropped, r.num_dropped_blocks = r.num_dropped_blocks, 0
-        windows = tuple(WindowBlocks(table.num_freed, window.unsent(table)) for window, table in self._windows(r))
+        windows = tuple(WindowBlocks(*change) for change in self.blocks.window_changes(r.window_tables))
         return ScheduledSeq(request_id=r.request_id, seat=r.seat, token_ids=token_ids, start_pos=start,
                             new_block_ids=new_block_ids, is_sampling=start + num_new == r.num_tokens,
                             num_draft_tokens=num_drafts, num_dropped_blocks=num_dropped, window_blocks=windows)
@@ -498,8 +460,7 @@ class Scheduler:
             return
         self.blocks.free(r.block_ids[keep:])
         del r.block_ids[keep:]
-        for window, table in self._windows(r):
-            window.drop_tail(table, keep)
+        self.blocks.drop_window_tails(r.window_tables, keep)
         if r.num_sent_blocks > keep:
             r.num_dropped_blocks += r.num_sent_blocks - keep
             r.num_sent_blocks = keep
