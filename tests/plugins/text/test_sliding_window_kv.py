@@ -224,3 +224,26 @@ def test_preemption_under_a_small_pool_recomputes_the_same_tokens(model_dir, ref
         llm.engine.blocks.check_no_leaks()
     for ids, tokens in zip(PROMPTS, results):
         assert list(tokens) == hf_greedy(reference, ids, 40)
+
+
+def test_a_uniform_sliding_window_caps_the_context_at_the_window(tmp_path):
+    """A Llama-family checkpoint with one ``sliding_window`` for every layer (Mistral 7B v0.1's) attends over
+    the whole context, which equals its windowed attention up to the window: its context stops there, and
+    its KV is one group, nothing freed. Within the window its tokens are transformers'."""
+    import transformers
+
+    from tests.models.text import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=WINDOW, max_position_embeddings=512, bos_token_id=0,
+        eos_token_id=2)).float().eval()
+    hf.save_pretrained(str(tmp_path))
+    save_tiny_tokenizer(tmp_path)
+    ids = [17, 4, 260, 101, 102, 9]
+    with LLM(model=str(tmp_path), plugin="text", enable_in_flight_batching=True, max_batch_size=2) as llm:
+        assert llm.engine.runtime.max_model_len == WINDOW and llm.engine.blocks.window_groups == ()
+        out = llm.engine.submit(RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(
+            max_tokens=WINDOW - len(ids), temperature=0.0, ignore_eos=True))).result()
+    assert list(out.token_ids) == hf_greedy(hf, ids, WINDOW - len(ids))
