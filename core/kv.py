@@ -150,12 +150,19 @@ class BlockManager:
     def can_allocate_in_every_group(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_in_every_group
 
-    def can_admit(self, num_blocks: int, num_first_tokens: int, reserve: int, whole: bool = False) -> bool:
-        """Whether a request whose prefill needs ``num_blocks`` here fits, ``reserve`` blocks left free in
-        every group; a window group needs only the window of its first ``num_first_tokens`` (``whole``: all)."""
-        return self.can_allocate(num_blocks + reserve) and all(
-            g.blocks.can_allocate((num_blocks if whole else min(num_blocks, g.max_blocks_per_seq(num_first_tokens)))
-                                  + reserve) for g in self.window_groups)
+    def can_admit(self, num_blocks: int, num_first_tokens: int, reserve: int, num_residents: int,
+                  whole: bool = False) -> bool:
+        """Whether a request whose prefill needs ``num_blocks`` here fits with ``reserve`` blocks left free.
+
+        A window group needs only the window of the first ``num_first_tokens`` (``whole``: all of it), and
+        keeps a reserve of its own size's watermark (1 %, at least one) and a block per resident, at most
+        ``reserve``: its pool is sized for the seats, not the contexts."""
+        def fits(group: WindowGroup) -> bool:
+            need = num_blocks if whole else min(num_blocks, group.max_blocks_per_seq(num_first_tokens))
+            own_reserve = min(reserve, max(1, group.blocks.num_blocks // 100) + num_residents)
+            return group.blocks.can_allocate(need + own_reserve)
+
+        return self.can_allocate(num_blocks + reserve) and all(fits(g) for g in self.window_groups)
 
     def grow_all(self, block_ids: list[int], tables: list[WindowTable], num_blocks: int) -> None:
         """Append ``num_blocks`` to a request's table in every group (the same entries in each)."""

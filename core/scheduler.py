@@ -175,7 +175,7 @@ class Scheduler:
         reserve = 0 if self.batch_wide_length else self.watermark + len(self.running)
         # a window group needs only the window of the prefill's first chunk (its blocks slide from there)
         if not self.blocks.can_admit(self._admission_blocks(head), min(head.num_tokens, self.token_budget), reserve,
-                                     whole=self.batch_wide_length):
+                                     len(self.running), whole=self.batch_wide_length):
             return "stalls_no_capacity"
         return None
 

@@ -247,3 +247,15 @@ def test_a_uniform_sliding_window_caps_the_context_at_the_window(tmp_path):
         out = llm.engine.submit(RequestSpec(prompt_token_ids=tuple(ids), params=SamplingParams(
             max_tokens=WINDOW - len(ids), temperature=0.0, ignore_eos=True))).result()
     assert list(out.token_ids) == hf_greedy(hf, ids, WINDOW - len(ids))
+
+
+def test_a_large_full_pool_s_watermark_does_not_stall_joins_on_the_window_pool(model_dir):
+    """The admission watermark is 1 % of the full pool (62 blocks of 6250 here), more than the whole window
+    pool: the window group keeps a reserve of its own size, so requests still join mid-flight."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    specs = [RequestSpec(prompt_token_ids=tuple(ids), params=params) for ids in PROMPTS[1:]]
+    with LLM(model=str(model_dir), plugin="text", enable_in_flight_batching=True, max_batch_size=2,
+             max_num_batched_tokens=CHUNK, max_kv_cache_capacity=100_000) as llm:
+        assert llm.engine.scheduler.watermark == 62 > llm.engine.blocks.window_groups[0].blocks.num_blocks
+        results = submit_staggered(llm.engine, specs, gap_steps=2, min_joined=1)
+    assert all(len(r.token_ids) == 12 for r in results)
