@@ -10,7 +10,7 @@ from ifb.capabilities import DeployConfig, DeploymentCaps, DeploymentKind
 from ifb.counters import SchedulingCounters
 from ifb.engine import RequestEngine
 from ifb.gate import UnsupportedDeployment, check_deployment
-from ifb.kv import BlockManager
+from ifb.kv import pool_for
 from ifb.placement import check_dtype_name, describe_device, resolve_device
 from ifb.plugins import PluginHost, default_host
 
@@ -83,7 +83,7 @@ def load_deployment(config: DeployConfig, host: PluginHost | None = None, *,
     reason = check_deployment(caps, config)  # the loaded runtime's own declaration is the final word
     options = host.request_options()
     counters = SchedulingCounters()
-    blocks = BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+    blocks = pool_for(runtime)
     if config.enable_in_flight_batching:
         prefix = None
         if config.enable_context_reuse:

@@ -28,7 +28,7 @@ from ifb.capabilities import DeployConfig, OptionSupport, RequestOption, Support
 from ifb.counters import SchedulingCounters
 from ifb.detok import IncrementalDetokenizer
 from ifb.gate import UnsupportedDeployment, ifb_unsupported_reason
-from ifb.kv import BlockManager
+from ifb.kv import BlockManager, pool_for
 from ifb.options import media_refusal
 from ifb.outputs import RequestHandle, RequestOutput
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
@@ -187,7 +187,7 @@ class RequestEngine:
         self.max_in_system = num_seats + config.max_queued_requests
         self.counters = counters or SchedulingCounters()
         self.prefix = prefix
-        self.blocks = blocks or BlockManager(runtime.num_kv_blocks, runtime.kv_block_size)
+        self.blocks = blocks or pool_for(runtime)
         #: every request is served whole by the runtime (no stepped execution)
         self._serves_whole = not runtime.caps.stepped_execution
         sampling = self.support.get("differing_sampling")
@@ -359,6 +359,9 @@ class RequestEngine:
         }
         if self.scheduler.speculation is not None:
             out["speculative_decoding"] = self.speculation_health()
+        if self.blocks.window_groups:  # the KV cache groups: the full-attention pool and each window's
+            out["kv_cache"] = {**self.blocks.usage(), "window_groups": [
+                {"window": g.window, **g.blocks.usage()} for g in self.blocks.window_groups]}
         if self.prefix is not None:
             c = self.counters
             out["prefix_cache"] = {"queries": c.prefix_cache_queries, "hits": c.prefix_cache_hits,

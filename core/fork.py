@@ -75,9 +75,10 @@ def leave(r: Request) -> None:
         group.followers.remove(r)
 
 
-def fork_ready(running: list[Request], blocks: BlockManager) -> list[tuple[int, int]]:
-    """Fork every follower whose leader has computed the shared prompt; returns the block copies (src, dst)."""
-    copies: list[tuple[int, int]] = []
+def fork_ready(running: list[Request], blocks: BlockManager) -> list[list[tuple[int, int]]]:
+    """Fork every follower whose leader has computed the shared prompt; returns the block copies (src, dst)
+    of each KV group: the full-attention pool's first, then each window group's."""
+    copies: list[list[tuple[int, int]]] = [[] for _ in range(1 + len(blocks.window_groups))]
     for leader in running:
         group = leader.group
         if group is None or group.leader is not leader or not group.followers:
@@ -88,13 +89,20 @@ def fork_ready(running: list[Request], blocks: BlockManager) -> list[tuple[int, 
         num_full, partial = divmod(shared, blocks.block_size)
         for follower in list(group.followers):
             group.followers.remove(follower)
-            if partial and not blocks.can_allocate(1):
+            if partial and not blocks.can_allocate_in_every_group(1):
                 continue  # no block for its copy: it prefills the prompt itself
             follower.block_ids = leader.block_ids[:num_full]
             blocks.incref(follower.block_ids)
+            for window, own_table, source in zip(blocks.window_groups, follower.window_tables,
+                                                 leader.window_tables):
+                window.lease(own_table, source, num_full)
             if partial:
                 (own,) = blocks.allocate(1)
-                copies.append((leader.block_ids[num_full], own))
+                copies[0].append((leader.block_ids[num_full], own))
                 follower.block_ids = [*follower.block_ids, own]
+                for i, (window, own_table, source) in enumerate(
+                        zip(blocks.window_groups, follower.window_tables, leader.window_tables), 1):
+                    window.grow(own_table, 1)
+                    copies[i].append((source.block_ids[num_full - source.num_freed], own_table.block_ids[-1]))
             follower.num_computed_tokens = shared
     return copies

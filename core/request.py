@@ -11,6 +11,7 @@ import attrs
 from ifb.best_of import BestOf
 from ifb.capabilities import OptionSupport
 from ifb.detok import IncrementalDetokenizer
+from ifb.kv import WindowTable
 from ifb.outputs import RequestHandle
 from ifb.params import RequestSpec, SamplingParams
 from ifb.speculative import DraftStats
@@ -45,6 +46,8 @@ class Request:
     status: Status = Status.WAITING
     seat: int | None = None
     block_ids: list[int] = attrs.field(factory=list)
+    #: per sliding-window KV group (``BlockManager.window_groups``), its table (as long as ``block_ids``)
+    window_tables: list[WindowTable] = attrs.field(factory=list)
     #: the founder-only / runs-alone option this request uses, if any
     founder_only: OptionSupport | None = None
     runs_alone: bool = False

@@ -49,6 +49,16 @@ class NewSeq:
 
 
 @attrs.frozen
+class WindowBlocks:
+    """A request's table in one sliding-window KV group, as far as it changed (``ifb.kv.WindowTable``)."""
+
+    #: the table's leading entries now freed: out of every future query's window, read as the null block
+    num_freed: int
+    #: blocks appended after the entries the runtime has (after its first ``num_freed`` where it has fewer)
+    new_block_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class ScheduledSeq:
     """One request's share of a step: a prefill chunk, one decode token, or a decode token and the
     positions after it that the runtime's drafter fills and the same forward verifies."""
@@ -65,6 +75,9 @@ class ScheduledSeq:
     #: blocks to drop from the end of the runtime's table before appending ``new_block_ids`` (the engine
     #: freed the blocks that only rejected drafts had used)
     num_dropped_blocks: int = 0
+    #: per sliding-window KV group (``Runtime.kv_window_groups``), its table's change; ``num_dropped_blocks``
+    #: applies to these tables too (every group's table has one entry per block of the context)
+    window_blocks: tuple[WindowBlocks, ...] = ()
 
 
 @attrs.frozen
@@ -76,6 +89,8 @@ class ScheduledStep:
     #: KV blocks to copy, (source, destination), before the step's forward: the last, partial block of a
     #: prompt that n > 1 sequences share (each writes its own tokens into its copy)
     block_copies: tuple[tuple[int, int], ...] = ()
+    #: per sliding-window KV group, its blocks to copy (source, destination), as ``block_copies``
+    window_block_copies: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +114,8 @@ class Seat:
     token_ids: list[int]  # the prompt and the tokens generated so far, as far as the runtime has seen them
     block_ids: list[int] = attrs.field(factory=list)
     state: Any = None
+    #: per sliding-window KV group, its block table (freed entries hold that group's null block)
+    window_block_ids: list[list[int]] = attrs.field(factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -108,20 +125,33 @@ class Seat:
 class SeatTable:
     """The per-seat state a runtime keeps from the steps' diffs: token history, block table, prepared state."""
 
-    def __init__(self) -> None:
+    def __init__(self, null_block_ids: Sequence[int] = ()) -> None:
+        """``null_block_ids``: per sliding-window KV group, the block its tables' freed entries name
+        (one no sequence writes, so a kernel that read it would read zeros)."""
         self.seats: dict[str, Seat] = {}
+        self.null_block_ids = tuple(null_block_ids)
 
     def apply(self, step: ScheduledStep) -> list[Seat]:
         """Take in the step's new requests and growth; return each of ``step.seqs``' seat, in order."""
         for new in step.new_seqs:
             self.seats[new.request_id] = Seat(new.request_id, new.seat, new.params, new.num_prompt_tokens,
-                                              list(new.token_ids), state=new.state)
+                                              list(new.token_ids), state=new.state,
+                                              window_block_ids=[[] for _ in self.null_block_ids])
         out = []
         for seq in step.seqs:
             seat = self.seats[seq.request_id]
             if seq.num_dropped_blocks:
                 del seat.block_ids[len(seat.block_ids) - seq.num_dropped_blocks:]
             seat.block_ids.extend(seq.new_block_ids)
+            for table, change, null in zip(seat.window_block_ids, seq.window_blocks, self.null_block_ids):
+                if seq.num_dropped_blocks:
+                    del table[len(table) - seq.num_dropped_blocks:]
+                i = min(change.num_freed, len(table)) - 1
+                while i >= 0 and table[i] != null:  # the entries freed since the last step
+                    table[i] = null
+                    i -= 1
+                table.extend([null] * (change.num_freed - len(table)))
+                table.extend(change.new_block_ids)
             known = len(seat.token_ids) - seq.start_pos
             if known < len(seq.token_ids):  # a decode token the runtime sampled itself: now in the history
                 seat.token_ids.extend(seq.token_ids[max(known, 0):])
@@ -221,6 +251,11 @@ class Runtime(Protocol):
     through ``handle_request`` in that seat instead of ``execute``.
     ``num_kv_blocks`` and ``kv_block_size`` size the engine's block bookkeeping
     (the runtime owns the tensors) and bound the prompt a request may bring.
+    A runtime whose sliding-window layers keep only their window of KV also
+    declares ``kv_window_groups`` (``ifb.kv.WindowGroupSpec``, optional): each
+    such group has its own pool and per-request table (``Seat.window_block_ids``,
+    kept from ``ScheduledSeq.window_blocks``), and ``num_kv_blocks`` is then the
+    full-attention layers' pool.
     """
 
     model_name: str

@@ -36,30 +36,17 @@ import threading
 import time
 
 import attrs
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from ifb import fork
 from ifb.counters import SchedulingCounters
-from ifb.kv import BlockManager
+from ifb.kv import BlockManager, PrefixMatcher, WindowTable  # noqa: F401 - PrefixMatcher is named here too
 from ifb.outputs import QUEUE_TIMEOUT, Deliveries, RequestOutput, TokenLogprob
 from ifb.request import Request, RequestGroup, Status
-from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput, Tokenizer
+from ifb.runtime import NewSeq, ScheduledSeq, ScheduledStep, SeqOutput, StepOutput, Tokenizer, WindowBlocks
 from ifb.speculative import DraftStats, SpeculationCaps
 
 log = logging.getLogger("ifb.scheduler")
-
-
-class PrefixMatcher(Protocol):
-    """Finds published KV blocks a new request can lease (the context cache plugin)."""
-
-    def match(self, request: Request) -> tuple[list[int], int]:
-        """Return (block_ids already leased for the request, number of tokens they hold)."""
-
-    def commit(self, step: ScheduledStep, requests: dict[str, Request]) -> None:
-        """The step finished: publish the full blocks it computed."""
-
-    def forget(self, request: Request) -> None:
-        """The request left its seat; drop any per-request bookkeeping."""
 
 
 def default_watermark(num_blocks: int) -> int:
@@ -130,8 +117,9 @@ class Scheduler:
         self._deliveries: Deliveries | None = None
         #: requests seated since the last step was built: they go to the runtime once, as ``NewSeq``
         self._new: dict[str, Request] = {}
-        #: KV blocks to copy (src, dst) before the next step's forward: n > 1 sequences forking
-        self._copies: list[tuple[int, int]] = []
+        #: KV blocks to copy (src, dst) before the next step's forward, per KV group (the full-attention
+        #: pool's, then each window group's): n > 1 sequences forking
+        self._copies: list[list[tuple[int, int]]] = [[] for _ in range(1 + len(blocks.window_groups))]
 
     # ---- intake ----
     def submit(self, request: Request | list[Request], max_in_system: int | None = None) -> bool:
@@ -185,7 +173,9 @@ class Scheduler:
         if self.batch_wide_length and head.max_tokens != self._batch_length:
             return "stalls_incompatible"  # generation length is a batch-wide setting here
         reserve = 0 if self.batch_wide_length else self.watermark + len(self.running)
-        if not self.blocks.can_allocate(self._admission_blocks(head) + reserve):
+        # a window group needs only the window of the prefill's first chunk (its blocks slide from there)
+        if not self.blocks.can_admit(self._admission_blocks(head), min(head.num_tokens, self.token_budget), reserve,
+                                     len(self.running), whole=self.batch_wide_length):
             return "stalls_no_capacity"
         return None
 
@@ -222,11 +212,15 @@ class Scheduler:
     def _seat(self, head: Request, mid_flight: bool, is_follower: bool = False) -> None:
         self.waiting.popleft()
         now = time.monotonic()
+        head.window_tables = [WindowTable() for _ in self.blocks.window_groups]
         # a follower's blocks come from its leader when it forks
         leased, num_cached = self.prefix.match(head) if self.prefix and not is_follower else ([], 0)
+        if num_cached and any(t.num_entries != len(leased) for t in head.window_tables):
+            self.blocks.free_all(leased, head.window_tables)  # a hit the window groups do not hold: computed again
+            leased, num_cached = [], 0
         head.block_ids = leased
         if self.batch_wide_length:
-            head.block_ids += self.blocks.allocate(max(0, self._admission_blocks(head) - len(leased)))
+            self.blocks.grow_all(head.block_ids, head.window_tables, max(0, self._admission_blocks(head) - len(leased)))
         head.num_computed_tokens = num_cached
         self._free_seats.sort()
         head.seat = self._free_seats.pop(0)
@@ -278,9 +272,10 @@ class Scheduler:
                                 num_prompt_tokens=r.num_prompt_tokens, params=r.params, state=r.state,
                                 kv_salt=r.kv_salt)
                          for r in new.values())
-        copies, self._copies = tuple(self._copies), []
+        copies = tuple(tuple(group) for group in self._copies)
+        self._copies = [[] for _ in self._copies]
         return ScheduledStep(step_id=self.num_steps, seqs=tuple(self._scheduled_seq(r, n) for r, n in shares),
-                             new_seqs=new_seqs, block_copies=copies)
+                             new_seqs=new_seqs, block_copies=copies[0], window_block_copies=copies[1:])
 
     def _time_out_waiting(self) -> None:
         """Fail each queued request that has waited past the queue time-out for its first seat."""
@@ -298,7 +293,8 @@ class Scheduler:
         a decoder up; a prefill chunk is owed)."""
         budget = self.token_budget
         plan = []
-        self._copies += fork.fork_ready(self.running, self.blocks)
+        for group, forked in zip(self._copies, fork.fork_ready(self.running, self.blocks)):
+            group += forked
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for r in decoding + prefilling:
@@ -339,9 +335,11 @@ class Scheduler:
         for r, num_new in sorted(plan, key=lambda share: order[id(share[0])]):
             if r.status is not Status.RUNNING:
                 continue  # preempted for an older resident in this same step
+            self.blocks.slide(r.window_tables, r.num_computed_tokens)  # what no later query sees goes back first
             need = self._blocks_to_grow(r, num_new)
-            while need > self.blocks.num_free:
-                fit = (len(r.block_ids) + self.blocks.num_free) * self.blocks.block_size - r.num_computed_tokens
+            while need > self.blocks.num_free_in_every_group:
+                fit = ((len(r.block_ids) + self.blocks.num_free_in_every_group) * self.blocks.block_size
+                       - r.num_computed_tokens)
                 if 1 <= fit < num_new:
                     num_new = fit
                 elif self.running[-1] is not r:
@@ -349,13 +347,13 @@ class Scheduler:
                 else:
                     break
                 need = self._blocks_to_grow(r, num_new)
-            if need > self.blocks.num_free:
+            if need > self.blocks.num_free_in_every_group:
                 if len(self.running) == 1:
                     self.finish(r, "length")  # the context reached the KV cache's capacity
                 else:
                     self.preempt(r)
                 continue
-            r.block_ids += self.blocks.allocate(need)
+            self.blocks.grow_all(r.block_ids, r.window_tables, need)
             granted[id(r)] = num_new
         return [(r, granted[id(r)]) for r, _ in plan if id(r) in granted and r.status is Status.RUNNING]
 
@@ -384,7 +382,7 @@ class Scheduler:
         self.running.remove(r)
         fork.leave(r)
         self._new.pop(r.request_id, None)
-        self.blocks.free(r.block_ids)
+        self.blocks.free_all(r.block_ids, r.window_tables)
         r.block_ids = []
         self._free_seats.append(r.seat)
         if self.prefix is not None:
@@ -410,9 +408,10 @@ class Scheduler:
         new_block_ids = tuple(r.block_ids[r.num_sent_blocks:])
         r.num_sent_blocks = len(r.block_ids)
         num_dropped, r.num_dropped_blocks = r.num_dropped_blocks, 0
+        windows = tuple(WindowBlocks(*change) for change in self.blocks.window_changes(r.window_tables))
         return ScheduledSeq(request_id=r.request_id, seat=r.seat, token_ids=token_ids, start_pos=start,
                             new_block_ids=new_block_ids, is_sampling=start + num_new == r.num_tokens,
-                            num_draft_tokens=num_drafts, num_dropped_blocks=num_dropped)
+                            num_draft_tokens=num_drafts, num_dropped_blocks=num_dropped, window_blocks=windows)
 
     # ---- results ----
     def update(self, step: ScheduledStep, output: StepOutput) -> None:
@@ -461,6 +460,7 @@ class Scheduler:
             return
         self.blocks.free(r.block_ids[keep:])
         del r.block_ids[keep:]
+        self.blocks.drop_window_tails(r.window_tables, keep)
         if r.num_sent_blocks > keep:
             r.num_dropped_blocks += r.num_sent_blocks - keep
             r.num_sent_blocks = keep

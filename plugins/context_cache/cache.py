@@ -11,6 +11,16 @@ request admitted into that same step can never lease half-written KV. Blocks
 whose count drops to zero stay cached and are evicted least recently used,
 except those a request pinned (``Request.num_pinned_tokens``: the legacy
 system-prompt capture), which the cache holds a reference to for good.
+
+Sliding-window KV groups (``BlockManager.window_groups``) publish their blocks
+under the same keys, each group in a table of its own (``WindowBlocks``): a key
+names a prefix, so every layer's KV for it is that prefix's. A window group
+frees a block once no future query of its request can see it, and then the
+block is evictable like any other, so a group may have lost blocks the full
+pool still holds. A hit is therefore the longest prefix whose full blocks are
+all cached and whose last ``window`` positions are cached in every window
+group; the hit's window tables lease just those blocks (the entries before are
+freed ones, as they would be had the request computed the prefix itself).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import hashlib
 import attrs
 
 from ifb.counters import SchedulingCounters
-from ifb.kv import BlockManager
+from ifb.kv import BlockManager, WindowGroup
 from ifb.request import Request
 from ifb.runtime import ScheduledStep
 
@@ -53,6 +63,50 @@ class _Tracked:
         return b"" if block < self.num_unsalted_blocks else self.salt
 
 
+class WindowBlocks:
+    """One window group's published blocks (key <-> block id); its pool's ``ifb.kv.BlockCache``."""
+
+    def __init__(self, group: WindowGroup):
+        self.group = group
+        self.table: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.pinned: set[bytes] = set()
+        group.blocks.cache = self
+
+    def keep(self, block_id: int) -> bool:
+        if block_id not in self.key_of:
+            return False
+        self.evictable[block_id] = None
+        return True
+
+    def take(self, block_id: int) -> None:
+        self.evictable.pop(block_id, None)
+
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    def evict(self) -> int:
+        block_id, _ = self.evictable.popitem(last=False)
+        del self.table[self.key_of.pop(block_id)]
+        return block_id
+
+    def holds_window(self, keys: list[bytes], num_blocks: int) -> bool:
+        """Whether the blocks a query right after the first ``num_blocks`` of ``keys`` sees are all here."""
+        first = self.group.num_out_of_window(num_blocks * self.group.blocks.block_size)
+        return all(key in self.table for key in keys[first:num_blocks])
+
+    def publish(self, key: bytes, block_id: int) -> None:
+        if key not in self.table and block_id not in self.key_of:
+            self.table[key] = block_id
+            self.key_of[block_id] = key
+
+    def pin(self, key: bytes) -> None:
+        if key not in self.pinned and key in self.table:
+            self.pinned.add(key)
+            self.group.blocks.incref([self.table[key]])
+
+
 class PrefixCache:
     """Implements both ``ifb.kv.BlockCache`` and ``ifb.scheduler.PrefixMatcher``."""
 
@@ -66,6 +120,8 @@ class PrefixCache:
         #: keys of the blocks pinned by a capture (the cache holds one reference to each)
         self.pinned: set[bytes] = set()
         blocks.cache = self
+        #: the sliding-window groups' published blocks, one table each
+        self.windows = tuple(WindowBlocks(group) for group in blocks.window_groups)
 
     # ---- BlockCache ----
     def keep(self, block_id: int) -> bool:
@@ -108,7 +164,15 @@ class PrefixCache:
             leased.append(block_id)
             tracked.keys.append(key)
             parent = key
+        num = len(leased)
+        while num and not all(window.holds_window(tracked.keys, num) for window in self.windows):
+            num -= 1  # a window group no longer holds what a query there would see
+        del leased[num:], tracked.keys[num:]
         self.blocks.incref(leased)
+        for window, table in zip(self.windows, request.window_tables):
+            table.num_freed = window.group.num_out_of_window(num * size)
+            table.block_ids = [window.table[key] for key in tracked.keys[table.num_freed:]]
+            window.group.blocks.incref(table.block_ids)
         with self.counters.lock:
             self.counters.prefix_cache_queries += len(prompt)
             self.counters.prefix_cache_hits += len(leased) * size
@@ -132,6 +196,9 @@ class PrefixCache:
                 if key not in self.table and block_id not in self.key_of:
                     self.table[key] = block_id
                     self.key_of[block_id] = key
+                for window, table in zip(self.windows, request.window_tables):
+                    if i >= table.num_freed:  # a block this step computed is still in its table
+                        window.publish(key, table.block_ids[i - table.num_freed])
             self._pin(request, tracked)
 
     def _pin(self, request: Request, tracked: _Tracked) -> None:
@@ -140,9 +207,14 @@ class PrefixCache:
             if key not in self.pinned and key in self.table:
                 self.pinned.add(key)
                 self.blocks.incref([self.table[key]])
+            for window in self.windows:
+                window.pin(key)
 
     def forget(self, request: Request) -> None:
         self._tracked.pop(request.request_id, None)
 
     def stats(self) -> dict[str, int]:
-        return {"cached_blocks": len(self.key_of), "evictable_blocks": len(self.evictable)}
+        out = {"cached_blocks": len(self.key_of), "evictable_blocks": len(self.evictable)}
+        for i, window in enumerate(self.windows):
+            out[f"window_group_{i}_cached_blocks"] = len(window.key_of)
+        return out

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ifb.counters import SchedulingCounters
 from ifb.engine import new_request
-from ifb.kv import BlockManager
+from ifb.kv import BlockManager, WindowGroup
 from ifb.params import RequestSpec, SamplingParams
 from ifb.request import Status
 from ifb.scheduler import Scheduler
@@ -58,12 +58,24 @@ def test_preemption_under_a_tiny_pool_keeps_fcfs_blocks_counters_and_outputs(eve
     run_events(events, seats, budget, num_blocks, watermark)
 
 
-def run_events(events, seats, budget, num_blocks, watermark):
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(crowded, min_size=4, max_size=40), seats=st.integers(1, 5),
+       budget=st.integers(4, 24), num_blocks=st.integers(4, 16), watermark=st.integers(0, 1),
+       window=st.integers(1, 9), num_window_blocks=st.integers(4, 16))
+def test_a_sliding_window_group_stays_bounded_and_frees_everything(events, seats, budget, num_blocks, watermark,
+                                                                  window, num_window_blocks):
+    """With a window group beside the pool (either may be the one that runs short): every request's window
+    table has as many entries as its full one, holds at most ``max_blocks_per_seq`` of the step's share, and
+    every block of both pools comes back."""
+    run_events(events, seats, budget, num_blocks, watermark, WindowGroup(window, BlockManager(num_window_blocks, 4)))
+
+
+def run_events(events, seats, budget, num_blocks, watermark, window: WindowGroup | None = None):
     """Play ``events`` against a scheduler, checking the invariants at every boundary and at the end."""
     budget = max(budget, seats)
     rt = FakeRuntime(num_kv_blocks=num_blocks, kv_block_size=4)
     counters = SchedulingCounters()
-    blocks = BlockManager(num_blocks, 4)
+    blocks = BlockManager(num_blocks, 4, window_groups=(window,) if window else ())
     s = Scheduler(num_seats=seats, token_budget=budget, blocks=blocks, tokenizer=rt.tokenizer,
                   max_model_len=rt.max_model_len, counters=counters, watermark=watermark)
     submitted, admitted_order = [], []
@@ -94,6 +106,11 @@ def run_events(events, seats, budget, num_blocks, watermark):
         held = sum(len(r.block_ids) for r in s.running)
         assert sum(blocks.ref_counts) == held
         assert blocks.num_free == num_blocks - held
+        if window is not None:
+            tables = [r.window_tables[0] for r in s.running]
+            assert all(t.num_entries == len(r.block_ids) for t, r in zip(tables, s.running))
+            assert all(len(t.block_ids) <= window.max_blocks_per_seq(budget) for t in tables)
+            assert sum(window.blocks.ref_counts) == sum(len(t.block_ids) for t in tables)
         seats_used = [r.seat for r in s.running]
         assert len(set(seats_used)) == len(seats_used)
         assert all(not r.block_ids and r.seat is None for r in s.waiting)

@@ -56,6 +56,38 @@ class AttnMetadata:
         return not self.prefill_seq_idx
 
 
+@attrs.frozen(eq=False)
+class GroupedAttn:
+    """A step's attention metadata per KV cache group: the full-attention layers' (``full``) and, per
+    sliding window, that group's (``ifb.kv.WindowGroupSpec``): its table names other blocks, in a pool
+    of their own, with the entries before the window freed."""
+
+    full: AttnMetadata
+    by_window: tuple[tuple[int, AttnMetadata], ...] = ()
+
+    def for_window(self, window: int | None) -> AttnMetadata:
+        """The metadata of the layers that attend within ``window`` (None: the whole context)."""
+        for w, attn in self.by_window:
+            if w == window:
+                return attn
+        return self.full
+
+
+def window_start(first_query: int, window: int | None, block_size: int) -> tuple[int, int]:
+    """``(block, position)`` where the context a query from ``first_query`` on may see starts: the block
+    holding its window's first position (a sliding group frees the blocks before it), 0 without a window."""
+    if window is None:
+        return 0, 0
+    first = max(0, first_query - window + 1) // block_size
+    return first, first * block_size
+
+
+def layer_attn(attn: AttnMetadata | GroupedAttn, window: int | None) -> AttnMetadata:
+    """A layer's metadata: its group's in a ``GroupedAttn``; a plain ``AttnMetadata`` serves every layer (one
+    table for all, the layout without groups)."""
+    return attn.for_window(window) if isinstance(attn, GroupedAttn) else attn
+
+
 def build_attn_metadata(
     seqs: Sequence[tuple[int, int, Sequence[int]]],
     block_size: int,

@@ -19,9 +19,12 @@ module of its own):
   embeddings scaled by ``sqrt(hidden)``, and final logit soft-capping
   (``cap * tanh(logits / cap)``).
 
-Sliding-window layers attend within their window, but their KV blocks are the
-request's blocks like every other layer's: blocks past the window are not
-freed (the engine's block table is one per request, shared by all layers).
+Sliding-window layers attend within their window and keep only it: their
+caches are a KV cache group of their own (``layer_windows``; the engine frees
+each block once it lies before every future query's window), with its own
+pool (``allocate_kv_caches``' ``num_window_blocks``) and block table
+(``layers.attention.GroupedAttn``), so a long context costs what the global
+layers need plus the window.
 
 Shape letters: T tokens in the step, H hidden, L layers, P per-layer input width.
 """
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.layers.attention import AttnMetadata, write_kv
+from ifb_plugins.common.layers.attention import AttnMetadata, GroupedAttn, layer_attn, window_start, write_kv
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -91,8 +94,10 @@ class Gemma4Config:
         """The layers that hold a KV cache (every layer that is not KV-shared)."""
         return tuple(i for i, s in enumerate(self.layers) if s.kv_source == i)
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return sum(2 * self.layers[i].num_kv_heads * self.layers[i].head_dim * element_size for i in self.kv_layers)
+    def kv_bytes_per_token(self, element_size: int, kind: str | None = None) -> int:
+        """KV bytes a context token takes in the layers of ``kind`` (None: every layer)."""
+        return sum(2 * self.layers[i].num_kv_heads * self.layers[i].head_dim * element_size for i in self.kv_layers
+                   if kind is None or self.layers[i].kind == kind)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> Gemma4Config:
@@ -197,11 +202,12 @@ def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     start = 0
     for b, (n, ctx) in enumerate(zip(attn.query_lens_host, attn.seq_lens_host)):
-        blocks = attn.block_tables[b, :math.ceil(ctx / attn.block_size)]
-        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx].transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-        v = v_cache[blocks].reshape(-1, hkv, d)[:ctx].transpose(0, 1).to(q.dtype)
+        first, lo = window_start(ctx - n, window, attn.block_size)
+        blocks = attn.block_tables[b, first:math.ceil(ctx / attn.block_size)]
+        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx - lo].transpose(0, 1).to(q.dtype)  # [Hkv, ctx - lo, D]
+        v = v_cache[blocks].reshape(-1, hkv, d)[:ctx - lo].transpose(0, 1).to(q.dtype)
         qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        kpos = torch.arange(ctx, device=q.device)[None, :]
+        kpos = torch.arange(lo, ctx, device=q.device)[None, :]
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
@@ -253,9 +259,10 @@ class Attention(nn.Module):
             self.v_norm = Norm(s.head_dim, eps, with_scale=False)
         self.attend = ATTENTION_BACKENDS[config.attention_backend]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata | GroupedAttn,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t, s = x.shape[0], self.shape
+        attn = layer_attn(attn, self.window)  # the table of this layer's KV cache group
         q = rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, s.head_dim)), cos, sin)
         if self.computes_kv:  # a KV-shared layer reads what its source layer wrote this step
             k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
@@ -334,12 +341,21 @@ class Gemma4Model(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope: dict[int, torch.Tensor] = {}
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                           device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per layer: its ``(k, v)`` cache ``[blocks, block_size, Hkv, D]``, or None for a KV-shared layer."""
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the window its KV is read in (None: the whole context): its KV cache group."""
+        return tuple(self.config.sliding_window if s.kind == SLIDING else None for s in self.config.layers)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+                           num_window_blocks: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer: its ``(k, v)`` cache ``[blocks, block_size, Hkv, D]``, or None for a KV-shared layer.
+
+        With ``num_window_blocks`` the sliding layers are a group of their own: that many blocks and one
+        more, the null block their tables' freed entries name; without it every layer has ``num_blocks``
+        under one table."""
         caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for i, s in enumerate(self.config.layers):
-            shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+            rows = num_blocks if num_window_blocks is None or s.kind == FULL else num_window_blocks + 1
+            shape = (rows, block_size, s.num_kv_heads, s.head_dim)
             caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
                                                                                         device=device))
                           if s.kv_source == i else None)
@@ -356,7 +372,7 @@ class Gemma4Model(nn.Module):
         emb = self.model.embed_tokens(input_ids)
         return emb * torch.tensor(self.config.hidden_size ** 0.5, dtype=emb.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata | GroupedAttn,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None],
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``.

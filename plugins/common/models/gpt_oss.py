@@ -13,8 +13,11 @@
 
 The weights run in float32; a GGUF file's experts may run on their blocks
 (``gpt_oss_gguf``: MXFP4 and Q8_0 on the native kernels). The MXFP4
-``quantization_config`` of a Hugging Face directory is not read. Sliding layers attend within their window; their KV blocks
-past it are not freed (one block table per request for all layers).
+``quantization_config`` of a Hugging Face directory is not read. Sliding
+layers attend within their window and keep only it: their caches are a KV
+cache group of their own (``layer_windows``), with its own pool and block
+table, whose blocks the engine frees once they lie before every future
+query's window.
 
 Shape letters: T tokens, H hidden, E experts, K experts per token, I expert width.
 """
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ifb_plugins.common.layers.attention import AttnMetadata, write_kv
+from ifb_plugins.common.layers.attention import AttnMetadata, GroupedAttn, layer_attn, window_start, write_kv
 from ifb_plugins.common.layers.moe import dispatch_to_experts, route, sum_picks
 from ifb_plugins.common.models.decoder import RMSNorm
 
@@ -70,8 +73,10 @@ class GptOssConfig:
     def num_layers(self) -> int:
         return len(self.layer_types)
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+    def kv_bytes_per_token(self, element_size: int, kind: str | None = None) -> int:
+        """KV bytes a context token takes in the layers of ``kind`` (None: every layer)."""
+        num_layers = sum(1 for k in self.layer_types if kind is None or k == kind)
+        return 2 * num_layers * self.num_kv_heads * self.head_dim * element_size
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> GptOssConfig:
@@ -152,13 +157,14 @@ def sink_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     hq, hkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
     start = 0
     for b, (n, ctx) in enumerate(zip(attn.query_lens_host, attn.seq_lens_host)):
-        blocks = attn.block_tables[b, :math.ceil(ctx / attn.block_size)]
-        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
-        v = v_cache[blocks].reshape(-1, hkv, d)[:ctx].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+        first, lo = window_start(ctx - n, window, attn.block_size)  # the blocks before are freed
+        blocks = attn.block_tables[b, first:math.ceil(ctx / attn.block_size)]
+        k = k_cache[blocks].reshape(-1, hkv, d)[:ctx - lo].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:ctx - lo].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
         qb = q[start:start + n]  # [n, Hq, D]
-        scores = torch.einsum("nhd,chd->hnc", qb, k) * scale  # [Hq, n, ctx]
+        scores = torch.einsum("nhd,chd->hnc", qb, k) * scale  # [Hq, n, ctx - lo]
         qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        kpos = torch.arange(ctx, device=q.device)[None, :]
+        kpos = torch.arange(lo, ctx, device=q.device)[None, :]
         visible = kpos <= qpos
         if window is not None:
             visible &= kpos > qpos - window
@@ -206,9 +212,10 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(c.num_heads))
         self.attend = ATTENTION_BACKENDS[c.attention_backend]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnMetadata | GroupedAttn,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         t = x.shape[0]
+        attn = layer_attn(attn, self.window)  # the table of this layer's KV cache group
         q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         write_kv(k, self.v_proj(x).view(t, self.num_kv_heads, self.head_dim), kv[0], kv[1], attn.slot_mapping)
@@ -295,13 +302,23 @@ class GptOssModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                           device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(self.config.num_layers)]
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the window its KV is read in (None: the whole context): its KV cache group."""
+        return tuple(self.config.sliding_window if k == SLIDING else None for k in self.config.layer_types)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata,
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+                           num_window_blocks: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer its ``(k, v)`` cache; with ``num_window_blocks`` the sliding layers' hold that many blocks
+        and the null block (``gemma4.Gemma4Model.allocate_kv_caches``), else every layer ``num_blocks``."""
+        caches = []
+        for kind in self.config.layer_types:
+            rows = num_blocks if num_window_blocks is None or kind == FULL else num_window_blocks + 1
+            shape = (rows, block_size, self.config.num_kv_heads, self.config.head_dim)
+            caches.append((torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)))
+        return caches
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnMetadata | GroupedAttn,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over ``input_ids [T]`` at ``positions [T]``; returns normed hidden states ``[T, H]``."""

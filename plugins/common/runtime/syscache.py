@@ -46,6 +46,9 @@ class SystemPromptCache:
         self.blocks = blocks
         self.runtime = runtime
         self.captured: dict[tuple[int, ...], list[int]] = {}  # prefix ids -> pinned blocks
+        #: prefix ids -> per sliding-window KV group, its pinned blocks (the whole prefix: a capture is
+        #: leased from its start, and the leaseholders free what slides out of their window)
+        self.captured_windows: dict[tuple[int, ...], list[list[int]]] = {}
         self.num_hit_tokens = 0
 
     def system_prefix(self, request: Request) -> list[int]:
@@ -59,9 +62,12 @@ class SystemPromptCache:
         prefix = tuple(self.system_prefix(request))
         if not prefix or prefix in self.captured:
             return
-        block_ids = self.blocks.allocate(self.blocks.blocks_for(len(prefix)))
-        self.runtime.prefill_only(list(prefix), block_ids)
+        num_blocks = self.blocks.blocks_for(len(prefix))
+        block_ids = self.blocks.allocate(num_blocks)
+        windows = [group.blocks.allocate(num_blocks) for group in self.blocks.window_groups]
+        self.runtime.prefill_only(list(prefix), block_ids, windows)
         self.captured[prefix] = block_ids  # pinned: their count never drops to zero
+        self.captured_windows[prefix] = windows
 
     # -- PrefixMatcher --
     def match(self, request: Request) -> tuple[list[int], int]:
@@ -77,6 +83,10 @@ class SystemPromptCache:
             return [], 0
         block_ids = self.captured[best]
         self.blocks.incref(block_ids)
+        for group, table, captured in zip(self.blocks.window_groups, request.window_tables,
+                                          self.captured_windows[best]):
+            table.block_ids = list(captured)
+            group.blocks.incref(table.block_ids)
         self.num_hit_tokens += len(best)
         return list(block_ids), len(best)
 

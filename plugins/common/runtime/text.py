@@ -16,6 +16,14 @@ drafts first asks the drafter for them, then runs one forward over every seat's
 tokens and drafts together and verifies each seat's drafts against its own
 rows of logits (``decoding.speculative``). A drafter's failure ends only the
 drafting of the seats it was drafting for; their step goes on without drafts.
+
+A family whose sliding-window layers read only their window (``layer_windows``:
+Gemma 4, gpt-oss) has them as KV cache groups (``kv_window_groups``): per
+window, a pool of its own, sized for every seat's window plus one step's
+tokens, beside the full-attention layers' pool, which memory sizes; each
+seat's table there (``Seat.window_block_ids``) names the null block where the
+engine freed what lies before the window, and each step's metadata is built per
+group (``layers.attention.GroupedAttn``).
 """
 
 from __future__ import annotations
@@ -28,11 +36,11 @@ import attrs
 import torch
 
 from ifb.capabilities import DeployConfig, DeploymentCaps
-from ifb.kv import BlockManager
+from ifb.kv import BlockManager, WindowGroupSpec
 from ifb.params import InvalidRequest, RequestSpec, SamplingParams
 from ifb.runtime import Prepared, ScheduledSeq, ScheduledStep, Seat, SeatTable, StepOutput
 from ifb_plugins.common.decoding.speculative import verify_step
-from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.layers.attention import GroupedAttn, build_attn_metadata
 from ifb_plugins.common.decoding.guided import GuidedDecoder, GuidedGrammar
 from ifb_plugins.common.runtime.lora import LoraAdapter, LoraSet, step_groups
 from ifb_plugins.common.models.decoder import TextModel, allocate_kv_cache
@@ -67,7 +75,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token: int | None = None,
-                       device: torch.device | None = None) -> int:
+                       device: torch.device | None = None, reserved_bytes: int = 0) -> int:
     """Tokens of KV to allocate: ``--max-kv-cache-capacity``, or a default sized from memory.
 
     KV blocks are taken as sequences grow, so a bigger pool seats more long
@@ -76,6 +84,7 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
     full context, and at least one full context. Without ``bytes_per_token``
     (a runtime that does not size from memory) it is room for every seat at 2k tokens;
     with 0 (a model without attention layers) every seat at the full context.
+    ``reserved_bytes`` (the sliding-window groups' pools) come off the memory first.
     """
     if config.max_kv_cache_capacity:
         return config.max_kv_cache_capacity
@@ -85,7 +94,7 @@ def kv_capacity_tokens(config: DeployConfig, max_model_len: int, bytes_per_token
         return config.max_batch_size * max_model_len
     device = device or torch.device("cpu")
     fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
-    affordable = int(free_memory_bytes(device) * fraction) // bytes_per_token
+    affordable = max(0, int(free_memory_bytes(device) * fraction) - reserved_bytes) // bytes_per_token
     return min(config.max_batch_size * max_model_len, max(affordable, max_model_len))
 
 
@@ -107,6 +116,21 @@ def kv_bytes_per_token(model: TextModel, kv_dtype: torch.dtype) -> int:
     if hasattr(model, "allocate_kv_caches"):  # its layers' KV shapes differ: the family counts them
         return c.kv_bytes_per_token(element_size)
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * element_size
+
+
+#: positions before a sliding layer's window that a drafter may read: Gemma 4's assistant queries the
+#: target's cache one position before the target's next query, with a window one wider
+WINDOW_DRAFTER_REACH = 2
+
+
+def window_pool_blocks(window: int, block_size: int, num_seats: int, token_budget: int) -> int:
+    """Blocks a sliding-window group needs so that it never runs short before the full pool does: each
+    seat holds at most its window and its share of the step (``ifb.kv.WindowGroup.max_blocks_per_seq``:
+    ``ceil((window - 1 + n) / block) + 1``), the shares add up to the token budget, and the admission
+    watermark's blocks on top."""
+    per_seat = -(-(window + WINDOW_DRAFTER_REACH - 1) // block_size) + 2
+    needed = num_seats * per_seat + -(-token_budget // block_size)
+    return needed + max(1, needed // 100) + num_seats
 
 
 @attrs.frozen
@@ -143,19 +167,40 @@ class TextRuntime:
         self.max_model_len = max_model_len_for(model, config)
         self.kv_block_size = KV_BLOCK_SIZE
         self.device = next(model.parameters()).device
-        capacity = kv_capacity_tokens(config, self.max_model_len, kv_bytes_per_token(model, kv_dtype), self.device)
         # a family whose layers differ in KV shape (Gemma 4, gpt-oss) lays out its own caches
         own_layout = getattr(model, "allocate_kv_caches", None)
+        #: per KV cache (layer), its sliding window (None: the full-attention group)
+        self.layer_windows: tuple[int | None, ...] = tuple(getattr(model, "layer_windows", tuple)())
+        #: the sliding windows that are KV cache groups of their own, and each group's pool (blocks)
+        self.windows = tuple(sorted({w for w in self.layer_windows if w is not None}))
+        element_size = torch.empty((), dtype=kv_dtype).element_size()
+        bytes_per_token = kv_bytes_per_token(model, kv_dtype)
+        window_blocks, reserved = {}, 0
+        if len(self.windows) == 1:  # the families' one window (a second would need its own null block)
+            (window,) = self.windows
+            window_blocks[window] = window_pool_blocks(window, KV_BLOCK_SIZE, config.max_batch_size,
+                                                       max(config.max_num_batched_tokens, config.max_batch_size))
+            window_bytes = model.config.kv_bytes_per_token(element_size, "sliding_attention")
+            bytes_per_token -= window_bytes
+            reserved = (window_blocks[window] + 1) * KV_BLOCK_SIZE * window_bytes
+        else:
+            self.windows = ()
+        capacity = kv_capacity_tokens(config, self.max_model_len, bytes_per_token, self.device, reserved)
         self.num_kv_blocks = -(-capacity // KV_BLOCK_SIZE)
+        # a window group never holds more than the context's blocks (the full pool's count)
+        self.num_window_blocks = {w: min(n, self.num_kv_blocks) for w, n in window_blocks.items()}
         if own_layout:
-            self.kv_caches = own_layout(self.num_kv_blocks, KV_BLOCK_SIZE, kv_dtype, self.device)
+            self.kv_caches = own_layout(self.num_kv_blocks, KV_BLOCK_SIZE, kv_dtype, self.device,
+                                        num_window_blocks=self.num_window_blocks.get(self.windows[0])
+                                        if self.windows else None)
         else:
             self.kv_caches = allocate_kv_cache(model.config, self.num_kv_blocks, KV_BLOCK_SIZE,
                                                dtype=kv_dtype, device=self.device)
         self.vocab_size = model.config.vocab_size
         self.guided = GuidedDecoder(tokenizer, self.vocab_size)
-        #: each seated request's history, block table and prepared state, kept from the steps' diffs
-        self.seats = SeatTable()
+        #: each seated request's history, block tables and prepared state, kept from the steps' diffs; a
+        #: window group's freed entries name its null block, the one past its pool
+        self.seats = SeatTable(null_block_ids=[self.num_window_blocks[w] for w in self.windows])
         #: torch intra-op threads while a step runs (None: leave torch's setting alone). With the
         #: matmuls on the native kernels' own threads, torch's remaining per-step ops are too small
         #: to gain from OpenMP, whose workers, woken from a non-main thread, only add latency.
@@ -166,6 +211,13 @@ class TextRuntime:
         self.drafter: Drafter | None = None
         #: per seat, the target's hidden state that predicted its last token (for drafters that read it)
         self._last_hidden: dict[str, torch.Tensor] = {}
+
+    @property
+    def kv_window_groups(self) -> tuple[WindowGroupSpec, ...]:
+        """The sliding-window KV groups (``ifb.kv``): the positions before each query that its layers read,
+        and a drafter's more where it reads the target's cache (``WINDOW_DRAFTER_REACH``)."""
+        reach = WINDOW_DRAFTER_REACH if getattr(self.drafter, "reads_target_kv", False) else 0
+        return tuple(WindowGroupSpec(w + reach, self.num_window_blocks[w]) for w in self.windows)
 
     # ---- admission ----
     def prepare(self, spec: RequestSpec) -> Prepared:
@@ -201,7 +253,7 @@ class TextRuntime:
     def _execute(self, step: ScheduledStep) -> StepOutput:
         seqs = step.seqs
         seats = self.seats.apply(step)
-        self.copy_blocks(step.block_copies)
+        self.copy_blocks(step.block_copies, step.window_block_copies)
         if self.drafter is not None and any(s.num_draft_tokens for s in seqs):
             return self._speculate(step, seats)
         groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in seqs],
@@ -218,15 +270,18 @@ class TextRuntime:
         finally:
             self.guided.discard()
 
-    def copy_blocks(self, copies) -> None:
-        """Copy KV blocks (source, destination) in every layer: n > 1 sequences forking their prompt's last block."""
-        if not copies:
-            return
-        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+    def copy_blocks(self, copies, window_copies=()) -> None:
+        """Copy KV blocks (source, destination) in every layer: n > 1 sequences forking their prompt's last
+        block; a sliding-window group's layers copy its own (``window_copies``, per group)."""
+        by_window = {None: copies, **dict(zip(self.windows, window_copies))}
+        for i, cache in enumerate(self.kv_caches):
+            pairs = by_window.get(self.layer_windows[i] if self.layer_windows else None, copies)
+            if cache is None or not pairs:
+                continue  # a KV-shared layer's is its source's
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+            for c in cache:
+                c.index_copy_(0, dst, c.index_select(0, src))
 
     @torch.inference_mode()
     def execute_shard(self, step: ScheduledStep) -> None:
@@ -236,7 +291,7 @@ class TextRuntime:
         for new in step.new_seqs:  # the prepared state stays on rank 0; the salt names the adapter
             if new.kv_salt is not None:
                 self.seats.seats[new.request_id].state = TextRequestState(lora=self.lora.by_salt(new.kv_salt))
-        self.copy_blocks(step.block_copies)  # each rank forks its own KV share of the blocks
+        self.copy_blocks(step.block_copies, step.window_block_copies)  # each rank forks its own KV share
         groups = step_groups([getattr(seat.state, "lora", None) for seat in seats], [len(s.token_ids) for s in step.seqs],
                              self.device)
         with self.lora.step(groups):  # each rank's share of the adapters' low-rank products
@@ -252,7 +307,8 @@ class TextRuntime:
         wants_hidden = self.drafter.needs_hidden_states
         results = self.drafter.propose([DraftRequest(
             seqs[i].request_id, seats[i].token_ids, seqs[i].num_draft_tokens, seats[i].block_ids,
-            self._last_hidden.get(seqs[i].request_id) if wants_hidden else None) for i in asked])
+            self._last_hidden.get(seqs[i].request_id) if wants_hidden else None,
+            window_block_ids=dict(zip(self.windows, seats[i].window_block_ids))) for i in asked])
         drafts: list[tuple[int, ...]] = [()] * len(seqs)
         errors: dict[int, str] = {}
         for i, result in zip(asked, results):
@@ -302,6 +358,11 @@ class TextRuntime:
         attn = build_attn_metadata([(s.start_pos, len(s.token_ids), seat.block_ids) for s, seat in zip(seqs, seats)],
                                    self.kv_block_size, self.device,
                                    num_prompt_tokens=[seat.num_prompt_tokens for seat in seats])
+        if self.windows:  # each sliding-window group's layers read and write their own table
+            attn = GroupedAttn(attn, tuple(
+                (w, build_attn_metadata([(s.start_pos, len(s.token_ids), seat.window_block_ids[g])
+                                         for s, seat in zip(seqs, seats)], self.kv_block_size, self.device))
+                for g, w in enumerate(self.windows)))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = self.step_positions(step, seats)
         return self.model(ids, pos, attn, self.kv_caches, self.step_embeddings(step, seats, ids))
@@ -337,11 +398,13 @@ class TextRuntime:
         return SystemPromptCache(blocks, self)
 
     @torch.inference_mode()
-    def prefill_only(self, token_ids: list[int], block_ids: list[int]) -> None:
-        """Compute KV for ``token_ids`` into ``block_ids`` without sampling (prefix capture), with the base weights."""
+    def prefill_only(self, token_ids: list[int], block_ids: list[int],
+                     window_block_ids: list[list[int]] = ()) -> None:
+        """Compute KV for ``token_ids`` into ``block_ids`` (and each sliding-window group's table) without
+        sampling (prefix capture), with the base weights."""
         budget = 512
         seat = Seat("prefix-capture", 0, SamplingParams(), len(token_ids), list(token_ids), list(block_ids),
-                    TextRequestState())
+                    TextRequestState(), window_block_ids=[list(t) for t in window_block_ids])
         for start in range(0, len(token_ids), budget):
             chunk = tuple(token_ids[start:start + budget])
             self._hidden(ScheduledStep(step_id=0, seqs=(ScheduledSeq(

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ifb_plugins.common.layers.attention import build_attn_metadata
+from ifb_plugins.common.layers.attention import GroupedAttn, build_attn_metadata
 from ifb_plugins.common.models.gemma4_assistant import Gemma4AssistantModel
 from ifb_plugins.common.speculative.drafter import DraftRequest
 
@@ -29,6 +29,9 @@ class AssistantDrafter:
     target layer's ``(k, v)``), with ``embed`` the target's scaled input embedding."""
 
     needs_hidden_states = True
+    #: it reads the target's KV cache: where the target's sliding layers keep only their window, it reads
+    #: ``text.WINDOW_DRAFTER_REACH`` positions before it
+    reads_target_kv = True
 
     def __init__(self, assistant: Gemma4AssistantModel, embed: Callable[[torch.Tensor], torch.Tensor],
                  kv_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]], block_size: int, *,
@@ -52,6 +55,14 @@ class AssistantDrafter:
             # the query sits at the last known token's position, over the context before it
             attn = build_attn_metadata([(len(requests[i].token_ids) - 2, 1, requests[i].block_ids) for i in live],
                                        self.block_size, self.device)
+            windows = requests[live[0]].window_block_ids
+            if windows:  # the target's sliding layers have a KV cache group (one window) of their own
+                (target_window,) = windows
+                sliding = build_attn_metadata([(len(requests[i].token_ids) - 2, 1,
+                                                requests[i].window_block_ids[target_window]) for i in live],
+                                              self.block_size, self.device)
+                # the assistant's sliding layers (a window one wider) read that group's table
+                attn = GroupedAttn(attn, ((self.assistant.config.text.sliding_window, sliding),))
             positions = torch.tensor([len(requests[i].token_ids) - 1 for i in live], device=self.device)
             tokens = torch.tensor([requests[i].token_ids[-1] for i in live], device=self.device)
             hidden = torch.stack([requests[i].hidden for i in live]).to(self.device)

@@ -15,7 +15,7 @@ hidden state, the one that predicted the seat's last known token.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import attrs
 import torch
@@ -35,6 +35,8 @@ class DraftRequest:
     #: the target's last-layer hidden state ``[H]`` at the position that predicted the last known token,
     #: where the drafter ``needs_hidden_states`` (else None)
     hidden: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
+    #: per sliding window, the seat's table in that KV cache group (the target's sliding layers' blocks)
+    window_block_ids: Mapping[int, Sequence[int]] = attrs.field(factory=dict, eq=False)
 
 
 class Drafter(Protocol):
